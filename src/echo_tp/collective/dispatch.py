@@ -1,0 +1,91 @@
+"""Backend dispatch: each backend says whether it takes a call (`should_use`); the first that
+does runs it, ending at the torch.distributed reference, which takes everything. Backends that
+cannot run at all (no GPU, no peer access, multi-node) disable themselves at construction and
+log the reason once.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from .. import envs
+from ..compensator import CompState
+from ..config import EchoConfig
+from .qar import StepRecord, compensated_all_reduce
+from .reference import DistTransport
+
+log = logging.getLogger(__name__)
+
+
+class TransportBackend:
+    """The unfused algorithm (collective/qar.py) over a transport; takes every call."""
+
+    def __init__(self, transport):
+        self.transport = transport
+        self.name = transport.name
+        self.world_size = transport.world_size
+
+    def should_use(self, x: torch.Tensor, cfg: EchoConfig) -> bool:
+        return True
+
+    def run(self, x: torch.Tensor, cfg: EchoConfig, *, state: CompState | None, backward: bool,
+            record: bool) -> tuple[torch.Tensor, StepRecord | None]:
+        return compensated_all_reduce(x, cfg, self.transport, state=state, backward=backward,
+                                      record=record)
+
+    def close(self) -> None:
+        pass
+
+
+class Dispatcher:
+    def __init__(self, backends: list, world_size: int):
+        if not backends:
+            raise ValueError("a dispatcher needs at least one backend")
+        self.backends = backends
+        self.world_size = world_size
+        self.last_backend: str | None = None
+
+    def run(self, x, cfg, *, state, backward, record):
+        for b in self.backends:
+            if b.should_use(x, cfg):
+                self.last_backend = b.name
+                return b.run(x, cfg, state=state, backward=backward, record=record)
+        raise RuntimeError("no backend accepted the call")  # the last backend takes everything
+
+    def close(self) -> None:
+        for b in self.backends:
+            b.close()
+
+
+def build_dispatcher(group: dist.ProcessGroup | None, backend: str = "auto") -> Dispatcher:
+    """'auto': fastest usable backend first, reference last; 'reference': reference only;
+    'p2p': the p2p backend for every call it supports (errors if it cannot run at all)."""
+    if backend not in ("auto", "reference", "p2p"):
+        raise ValueError(f"backend must be 'auto', 'reference' or 'p2p', got {backend!r}")
+    if backend == "auto":
+        backend = envs.backend()
+    ref = TransportBackend(DistTransport(group))
+    backends = []
+    if backend != "reference" and not envs.force_reference():
+        fast = _try_p2p(group, strict=backend == "p2p")
+        if fast is not None:
+            backends.append(fast)
+    backends.append(ref)
+    return Dispatcher(backends, ref.world_size)
+
+
+def _try_p2p(group, strict: bool):
+    try:
+        from .p2p import P2PBackend, p2p_unavailable_reason
+    except ImportError as e:  # triton missing, or an older torch
+        reason = f"p2p backend cannot be imported: {e}"
+    else:
+        reason = p2p_unavailable_reason(group)
+        if reason is None:
+            return P2PBackend(group)
+    if strict:
+        raise RuntimeError(f"backend='p2p' requested but unavailable: {reason}")
+    log.info("echo-tp: p2p backend disabled: %s", reason)
+    return None

@@ -1,0 +1,100 @@
+"""The two-timescale error-feedback compensator (SPEC.md §4, paper Algorithm 1).
+
+State per rank and pass direction: m1, m2 (fp32, one entry per element of the site's tensor),
+reset to zero at the start of every pass. At every site:
+
+    c  = eta * (a*m1 + (1-a)*m2)          # correction, applied to x before quantization
+    x' = x + c
+    y  = QAR(x')                           # the collective
+    u  = x' - y/P       (residual 'output', the paper)
+       | own rounding errors (residual 'local', see collective/qar.py)
+    m1 = beta1*m1 + (1-beta1)*u
+    m2 = beta2*m2 + (1-beta2)*u
+
+Every product and sum is a separate fp32 rounding with the fp32-rounded constants of
+`CompensatorConstants`; fused kernels must reproduce exactly this order.
+
+Sites of different sizes in one pass: the state is kept per element count, so each distinct
+tensor size forms its own error stream (all TP sites of one model share the size of the hidden
+state, so a model pass uses one pair, as the paper does).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import CompensatorConstants, EchoConfig
+
+
+@dataclass
+class CompState:
+    """m1, m2: fp32 [*batch, n]; batch is () on a real rank and (P,) in simulation."""
+
+    m1: torch.Tensor
+    m2: torch.Tensor
+
+    @classmethod
+    def zeros(cls, shape, device, dtype=torch.float32) -> "CompState":
+        return cls(torch.zeros(shape, device=device, dtype=dtype),
+                   torch.zeros(shape, device=device, dtype=dtype))
+
+
+def correction(state: CompState, k: CompensatorConstants) -> torch.Tensor:
+    """c = eta * (a*m1 + (1-a)*m2), each operation rounded on its own."""
+    return (state.m1 * k.a + state.m2 * k.one_minus_a) * k.eta
+
+
+def update_(state: CompState, u: torch.Tensor, k: CompensatorConstants) -> None:
+    """m1 = beta1*m1 + (1-beta1)*u; m2 = beta2*m2 + (1-beta2)*u, in place."""
+    u = u.to(state.m1.dtype)
+    state.m1.copy_(state.m1 * k.beta1 + u * k.one_minus_beta1)
+    state.m2.copy_(state.m2 * k.beta2 + u * k.one_minus_beta2)
+
+
+def output_residual(x_prime: torch.Tensor, y: torch.Tensor, world_size: int) -> torch.Tensor:
+    """u = x' - y/P (fp32); summed over the group this is -delta."""
+    return x_prime - y.to(torch.float32) / world_size
+
+
+@dataclass
+class PassState:
+    """All compensator state of one pass direction, keyed by the sites' element count."""
+
+    streams: dict[int, CompState] = field(default_factory=dict)
+    sites: int = 0
+
+    def get(self, n: int, batch: tuple, device, dtype) -> CompState:
+        st = self.streams.get(n)
+        if st is None or st.m1.device != device or tuple(st.m1.shape) != (*batch, n):
+            st = CompState.zeros((*batch, n), device=device, dtype=dtype)
+            self.streams[n] = st
+        return st
+
+    def reset(self) -> None:
+        self.streams.clear()
+        self.sites = 0
+
+
+def correction_weights(cfg: EchoConfig, n: int) -> torch.Tensor:
+    """w_r = a(1-beta1)beta1^r + (1-a)(1-beta2)beta2^r for r = 0..n-1 (float64) (Eqn 12)."""
+    r = torch.arange(n, dtype=torch.float64)
+    return cfg.a * (1 - cfg.beta1) * cfg.beta1 ** r + (1 - cfg.a) * (1 - cfg.beta2) * cfg.beta2 ** r
+
+
+def closed_form_corrections(deltas: torch.Tensor, cfg: EchoConfig) -> torch.Tensor:
+    """deltas [N, ...] (injected errors of sites 0..N-1) -> C [N, ...], the group's summed
+    correction at each site: C_k = -eta * sum_{s<k} w_{k-1-s} delta_s (float64)."""
+    n = deltas.shape[0]
+    w = correction_weights(cfg, n)
+    d = deltas.to(torch.float64)
+    out = torch.zeros_like(d)
+    for k in range(1, n):
+        out[k] = -cfg.eta * torch.tensordot(w[:k].flip(0), d[:k], dims=1)
+    return out
+
+
+def mean_age(cfg: EchoConfig, terms: int = 4096) -> float:
+    """mu_w = sum_r r * w_r: the source bound at eta = 1 is (1 + mu_w) * q (Theorem 1)."""
+    w = correction_weights(cfg, terms)
+    return float((torch.arange(terms, dtype=torch.float64) * w).sum())

@@ -1,0 +1,168 @@
+"""Typed settings for the Echo communicator (SPEC.md §3, §4, §7).
+
+`EchoConfig` is what every rank of a TP group must agree on: bit width, group size, quantizer
+policy, compensator gains and the residual mode. `QuantSpec` is the part the quantizer needs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+QUANTIZERS = ("zero_aware", "naive", "symmetric")
+RESIDUAL_MODES = ("output", "local")
+BITS = (4, 8, 16)
+DIRECTIONS = ("forward", "backward")
+
+
+@dataclass(frozen=True, kw_only=True)
+class QuantSpec:
+    """What one group quantizer needs: bit width, group size and policy."""
+
+    bits: int = 4
+    """Code width, 4 or 8 (16 is the plain all-reduce and never reaches the quantizer)."""
+    group_size: int = 128
+    """Consecutive values sharing one fp16 scale (and zero-point): a power of two >= 8."""
+    quantizer: str = "zero_aware"
+    """'zero_aware' (default asymmetric with the blended zero-point), 'naive' (grid anchored at
+    the group minimum) or 'symmetric' (no zero-point, code -2^(b-1) unused)."""
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8):
+            raise ValueError(f"QuantSpec.bits must be 4 or 8, got {self.bits!r}")
+        g = self.group_size
+        if not isinstance(g, int) or g < 8 or g & (g - 1):
+            raise ValueError(f"group_size must be a power of two >= 8, got {g!r}")
+        if self.quantizer not in QUANTIZERS:
+            raise ValueError(f"quantizer must be one of {QUANTIZERS}, got {self.quantizer!r}")
+
+    @property
+    def levels(self) -> int:
+        """L = 2^b - 1, the top code of the asymmetric grid."""
+        return (1 << self.bits) - 1
+
+    @property
+    def qmax(self) -> int:
+        """2^(b-1) - 1, the largest magnitude of a symmetric code."""
+        return (1 << (self.bits - 1)) - 1
+
+    @property
+    def has_zero(self) -> bool:
+        return self.quantizer != "symmetric"
+
+    def packet_bytes(self, n: int) -> int:
+        """Wire bytes of n values (n a multiple of group_size): codes + fp16 scale (+ zero)."""
+        groups = n // self.group_size
+        return n * self.bits // 8 + groups * 2 * (2 if self.has_zero else 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EchoConfig:
+    """Settings of one Echo communicator; every rank of the group must hold equal values."""
+
+    bits: int = 4
+    """Wire width: 4 or 8 for the quantized all-reduce, 16 for the plain all-reduce."""
+    group_size: int = 128
+    """Values per quantization group (power of two >= 8)."""
+    quantizer: str = "zero_aware"
+    """Group quantizer policy: 'zero_aware', 'naive' or 'symmetric' (SPEC §3)."""
+    eta: float = 0.75
+    """Compensator gain; 0 disables compensation (SPEC §4)."""
+    a: float = 0.35
+    """Blend between the fast (m1) and slow (m2) averages."""
+    beta1: float = 0.7
+    """Decay of the fast average m1."""
+    beta2: float = 0.3
+    """Decay of the slow average m2."""
+    residual: str = "output"
+    """'output': u = x' - y/P (the paper); 'local': u from this rank's own rounding errors."""
+    grad_scaling: bool = True
+    """Backward pass: scale x' by a group-shared power of two before quantizing (SPEC §5)."""
+    state_dtype: str = "float32"
+    """dtype of the compensator state m1, m2."""
+
+    def __post_init__(self) -> None:
+        if self.bits not in BITS:
+            raise ValueError(f"bits must be one of {BITS}, got {self.bits!r}")
+        if self.bits != 16:
+            QuantSpec(bits=self.bits, group_size=self.group_size, quantizer=self.quantizer)
+        elif self.quantizer not in QUANTIZERS:
+            raise ValueError(f"quantizer must be one of {QUANTIZERS}, got {self.quantizer!r}")
+        for name in ("eta", "a", "beta1", "beta2"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"{name} must be a finite number, got {v!r}")
+        if self.eta < 0:
+            raise ValueError(f"eta must be >= 0, got {self.eta}")
+        for name in ("a", "beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must lie in [0, 1], got {getattr(self, name)}")
+        if self.residual not in RESIDUAL_MODES:
+            raise ValueError(f"residual must be one of {RESIDUAL_MODES}, got {self.residual!r}")
+        if self.state_dtype not in ("float32", "float64"):
+            raise ValueError(f"state_dtype must be 'float32' or 'float64', got {self.state_dtype!r}")
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits != 16
+
+    @property
+    def compensated(self) -> bool:
+        return self.quantized and self.eta != 0.0
+
+    def quant_spec(self) -> QuantSpec:
+        if not self.quantized:
+            raise ValueError("bits=16 has no quantizer")
+        return QuantSpec(bits=self.bits, group_size=self.group_size, quantizer=self.quantizer)
+
+    def replace(self, **changes) -> "EchoConfig":
+        return dataclasses.replace(self, **changes)
+
+    def signature(self) -> tuple:
+        """A tuple every rank must agree on (checked once at communicator setup)."""
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+
+    # Named configurations used by the demo, eval and benchmarks.
+    @classmethod
+    def from_name(cls, name: str) -> "EchoConfig":
+        presets = {
+            "16": dict(bits=16),
+            "8": dict(bits=8, eta=0.0),
+            "4": dict(bits=4, eta=0.0),
+            "echo8": dict(bits=8),
+            "echo4": dict(bits=4),
+            "echo4-output": dict(bits=4, residual="output"),
+            "echo4-local": dict(bits=4, residual="local"),
+        }
+        if name not in presets:
+            raise ValueError(f"unknown comm config {name!r}; known: {sorted(presets)}")
+        return cls(**presets[name])
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompensatorConstants:
+    """The compensator's coefficients rounded once to fp32, shared by every implementation so the
+    torch reference and fused kernels multiply by bit-identical constants."""
+
+    eta: float
+    a: float
+    one_minus_a: float
+    beta1: float
+    one_minus_beta1: float
+    beta2: float
+    one_minus_beta2: float
+
+    @classmethod
+    def from_config(cls, cfg: EchoConfig) -> "CompensatorConstants":
+        import struct
+
+        def f32(v: float) -> float:
+            return struct.unpack("f", struct.pack("f", v))[0]
+
+        return cls(eta=f32(cfg.eta), a=f32(cfg.a), one_minus_a=f32(1.0 - cfg.a),
+                   beta1=f32(cfg.beta1), one_minus_beta1=f32(1.0 - cfg.beta1),
+                   beta2=f32(cfg.beta2), one_minus_beta2=f32(1.0 - cfg.beta2))
+
+
+__all__ = ["EchoConfig", "QuantSpec", "CompensatorConstants", "QUANTIZERS", "RESIDUAL_MODES",
+           "DIRECTIONS"]
