@@ -1,0 +1,181 @@
+"""The two-timescale compensator (SPEC.md §4, paper Eqn 12 and Theorem 1), run through the
+simulated backend (which test_collective.py proves bit-identical to real gloo ranks).
+
+Compared: the group sum of residuals with -delta; the summed corrections with the closed form
+C_k = -eta sum_{s<k} w_{k-1-s} delta_s on the recorded delta sequence; partial sums of the net
+error at eta = 1 with the (1 + mu_w) max|delta| bound (constant inputs, the adversarial case), and
+their linear growth without compensation; pass resets and the forward/backward separation.
+If the closed form disagrees, look first at compensator.correction/update_ (constants, order).
+"""
+import os
+
+import pytest
+import torch
+
+from echo_tp import EchoConfig, SimulatedCommunicator
+from echo_tp.collective.qar import compensated_all_reduce
+from echo_tp.collective.simulated import SimTransport
+from echo_tp.compensator import CompState, closed_form_corrections, mean_age
+
+SEED = int(os.environ.setdefault("ECHO_TEST_SEED", str(int.from_bytes(os.urandom(4), "little"))))
+MODES = ("output", "local")
+
+
+def partials(P, n, seed, spread=1.0):
+    g = torch.Generator().manual_seed(SEED + seed)
+    base = torch.randn(n, generator=g)
+    return (base + spread * torch.randn(P, n, generator=g)).to(torch.bfloat16)
+
+
+def run_sites(cfg, xs_per_site, P):
+    """Runs one pass; returns per site (x [P,n], x' [P,n], c [P,n] or None, y [n])."""
+    t = SimTransport(P)
+    state = CompState.zeros((P, xs_per_site[0].shape[-1]), "cpu") if cfg.compensated else None
+    out = []
+    for x in xs_per_site:
+        y, rec = compensated_all_reduce(x, cfg, t, state=state, record=True)
+        assert all(torch.equal(y[0], y[r]) for r in range(P))
+        out.append((x, rec.x_prime, rec.correction, y[0]))
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("P", (2, 4))
+def test_residuals_sum_to_minus_delta(mode, P):
+    # with beta1 = 0 the first update leaves m1 == u exactly
+    cfg = EchoConfig(bits=4, residual=mode, beta1=0.0)
+    sim = SimulatedCommunicator(P, cfg)
+    x = partials(P, 1000, 1)
+    y = sim.all_reduce(x)[0].double()
+    u = sim.state().m1.double()
+    delta = y - x.double().sum(0)
+    assert torch.allclose(u.sum(0), -delta, atol=1e-5 * float(x.double().abs().max()), rtol=0)
+    if mode == "local":  # the state stays at rounding scale; 'output' carries x_i - mean
+        assert u.abs().max() < 0.5 * x.double().abs().max()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_corrections_match_closed_form(mode):
+    P, n, N = 4, 512, 12
+    cfg = EchoConfig(bits=4, residual=mode)
+    sites = run_sites(cfg, [partials(P, n, 100 + k) for k in range(N)], P)
+    deltas = torch.stack([y.double() - xp.double().sum(0) for _, xp, _, y in sites])
+    C = torch.stack([c.double().sum(0) if c is not None else torch.zeros(n, dtype=torch.float64)
+                     for _, _, c, _ in sites])
+    want = closed_form_corrections(deltas, cfg)
+    scale = float(want.abs().max())
+    assert torch.allclose(C, want, atol=1e-4 * scale, rtol=0), float((C - want).abs().max())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_partial_sums_bounded_at_unit_gain(mode):
+    P, n, N = 4, 384, 40
+    x = partials(P, n, 7, spread=0.2)              # constant inputs: the adversarial sequence
+    cfg = EchoConfig(bits=4, residual=mode, eta=1.0)
+    sites = run_sites(cfg, [x] * N, P)
+    exact = x.double().sum(0)
+    rho = torch.stack([y.double() - exact for _, _, _, y in sites])
+    deltas = torch.stack([y.double() - xp.double().sum(0) for _, xp, _, y in sites])
+    S = rho.cumsum(0)
+    q = deltas.abs().amax(0)                        # elementwise max |delta_k|
+    bound = (1 + mean_age(cfg)) * q
+    assert torch.all(S.abs() <= bound * (1 + 1e-4) + 1e-5), float((S.abs() - bound).max())
+    # without compensation the same sequence accumulates linearly: S_t = t * delta
+    plain = run_sites(EchoConfig(bits=4, eta=0.0), [x] * N, P)
+    rho0 = torch.stack([y.double() - exact for _, _, _, y in plain])
+    S0 = rho0.cumsum(0)
+    assert torch.allclose(S0[-1], N * rho0[0])
+    hit = rho0[0].abs() > 0
+    assert float(S0[-1][hit].abs().mean()) > 5 * float(S[-1][hit].abs().mean())
+
+
+def test_state_resets_each_pass_and_directions_are_separate():
+    P = 4
+    cfg = EchoConfig(bits=4)
+    xs = [partials(P, 300, 200 + k) for k in range(3)]
+    a = SimulatedCommunicator(P, cfg)
+    with a.pass_scope("forward"):
+        first = [a.all_reduce(x) for x in xs]
+    fwd_m1 = a.state("forward").m1.clone()
+    with a.pass_scope("backward"):
+        a.all_reduce(xs[0] * 1e-3, direction="backward")
+    assert torch.equal(a.state("forward").m1, fwd_m1)       # backward leaves forward alone
+    assert not torch.equal(a.state("backward").m1, fwd_m1)
+    with a.pass_scope("forward"):
+        again = [a.all_reduce(x) for x in xs]
+    fresh = SimulatedCommunicator(P, cfg)
+    fresh.new_pass()
+    new = [fresh.all_reduce(x) for x in xs]
+    for u, v, w in zip(first, again, new):
+        assert torch.equal(u, v) and torch.equal(u, w)
+    assert a.passes["forward"].sites == 3
+
+
+def test_sites_of_different_sizes_keep_separate_streams():
+    P = 2
+    sim = SimulatedCommunicator(P, EchoConfig(bits=4))
+    sim.new_pass()
+    sim.all_reduce(partials(P, 256, 1))
+    sim.all_reduce(partials(P, 100, 2))
+    sim.all_reduce(partials(P, 256, 3))
+    assert set(sim.passes["forward"].streams) == {256, 100}
+    with pytest.raises(ValueError):
+        sim.state()                                          # ambiguous: name numel
+    assert sim.state(numel=100).m1.shape == (P, 100)
+
+
+def test_zero_gain_and_16_bits_leave_no_state():
+    sim = SimulatedCommunicator(2, EchoConfig(bits=4, eta=0.0))
+    sim.new_pass()
+    sim.all_reduce(partials(2, 256, 1))
+    assert not sim.passes["forward"].streams
+    sim16 = SimulatedCommunicator(2, EchoConfig(bits=16))
+    x = partials(2, 256, 1).float()
+    assert torch.equal(sim16.all_reduce(x)[0], x[0] + x[1])
+
+
+def test_per_site_bits_override():
+    P = 2
+    sim = SimulatedCommunicator(P, EchoConfig(bits=4, eta=0.0))
+    x = partials(P, 1024, 5).float()
+    exact = x.sum(0)
+    e4 = (sim.all_reduce(x, bits=4)[0] - exact).abs().mean()
+    e8 = (sim.all_reduce(x, bits=8)[0] - exact).abs().mean()
+    e16 = (sim.all_reduce(x, bits=16)[0] - exact).abs().max()
+    assert e8 < e4 / 8 and e16 == 0
+
+
+def test_simulated_telemetry_is_exact():
+    P, N = 4, 6
+    sim = SimulatedCommunicator(P, EchoConfig(bits=4, residual="local"), telemetry=True)
+    xs = [partials(P, 512, 300 + k) for k in range(N)]
+    sim.new_pass()
+    ys = [sim.all_reduce(x)[0] for x in xs]
+    rows = sim.telemetry_summary()
+    S = torch.zeros(512, dtype=torch.float64)
+    for row, x, y in zip(rows, xs, ys):
+        rho = y.double() - x.double().sum(0)
+        S += rho
+        assert row["rho_norm"] == pytest.approx(float(rho.norm()), rel=1e-9)
+        assert row["partial_sum_norm"] == pytest.approx(float(S.norm()), rel=1e-9)
+        # the free estimate tracks the exact injected error (independent rounding errors)
+        assert row["delta_norm_est"] == pytest.approx(row["delta_norm"], rel=0.3)
+
+
+def test_bad_input_gets_clear_errors():
+    sim = SimulatedCommunicator(2, EchoConfig())
+    with pytest.raises(ValueError, match="leading dim"):
+        sim.all_reduce(torch.zeros(3, 128))
+    with pytest.raises(ValueError, match="supports"):
+        sim.all_reduce(torch.zeros(2, 128, dtype=torch.int32))
+    with pytest.raises(ValueError, match="direction"):
+        sim.all_reduce(torch.zeros(2, 128), direction="sideways")
+    with pytest.raises(ValueError):
+        EchoConfig(eta=float("nan"))
+    with pytest.raises(ValueError):
+        EchoConfig(residual="global")
+    # NaN in one partial poisons only its groups; finite groups stay finite
+    x = partials(2, 512, 9).float()
+    x[1, 3] = float("nan")
+    y = sim.all_reduce(x)[0]
+    assert torch.isnan(y[:128]).all() and torch.isfinite(y[128:]).all()
