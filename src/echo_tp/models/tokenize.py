@@ -1,0 +1,239 @@
+"""Byte-level BPE tokenizers from vocab.json + merges.txt, and flat token files for training/eval.
+
+`build_tokenizer(dir)` returns a `tokenizers.Tokenizer`. A directory with tokenizer.json is loaded
+as is; otherwise the BPE model is built from vocab.json + merges.txt with the pre-tokenizer that
+matches the family named in tokenizer_config.json: GPT-2's ByteLevel regex by default, the Qwen2
+split regex + NFC for `Qwen2Tokenizer` (the same pipelines transformers' GPT2Tokenizer /
+Qwen2Tokenizer build). Special tokens from special_tokens_map.json, added_tokens.json and
+tokenizer_config.json keep their ids and are never split. With no directory, the GPT-2 files that
+ship in echo_tp/assets/tokenizers/gpt2 are used.
+
+Token files: `X.bin` is a flat little-endian uint16 array (uint32 when the vocabulary exceeds
+2^16 ids) of every input document's tokens, with one EOS token between consecutive documents (one
+input file = one document, encoded whole). `X.json` beside it records dtype, n_tokens, tokenizer
+name, vocab size, EOS id and the sources. `main` can cut the tail of the stream into a held-out
+`X.val.bin` (split at a token boundary).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, \
+    pre_tokenizers, processors
+
+ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets" / "tokenizers"
+DEFAULT_TOKENIZER = "gpt2"
+DEFAULT_EOS = "<|endoftext|>"
+QWEN2_PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
+                           r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+ENCODE_BATCH = 16  # documents per encode_batch call (parallel inside tokenizers)
+
+
+def resolve_tokenizer_dir(tokenizer_dir: str | Path | None = None) -> Path:
+    """A tokenizer directory: None/"" -> the shipped GPT-2 files; a shipped name ("gpt2") or a path."""
+    if tokenizer_dir is None or str(tokenizer_dir) == "":
+        return ASSETS_DIR / DEFAULT_TOKENIZER
+    path = Path(tokenizer_dir)
+    if path.is_dir():
+        return path
+    if (ASSETS_DIR / str(tokenizer_dir)).is_dir():
+        return ASSETS_DIR / str(tokenizer_dir)
+    shipped = sorted(p.name for p in ASSETS_DIR.iterdir() if p.is_dir())
+    raise ValueError(f"tokenizer directory {tokenizer_dir!r} does not exist (shipped: {shipped})")
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _token_content(value) -> list[str]:
+    """Token strings in a special_tokens_map value: str, {"content": str} or a list of them."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict) and "content" in value:
+        return [value["content"]]
+    if isinstance(value, list):
+        return [c for v in value for c in _token_content(v)]
+    return []
+
+
+def _special_tokens(path: Path) -> dict[str, int | None]:
+    """Special token -> required id (None: keep its vocab id, or append)."""
+    config = _read_json(path / "tokenizer_config.json")
+    specials: dict[str, int | None] = {}
+    for idx, entry in config.get("added_tokens_decoder", {}).items():
+        specials[entry["content"]] = int(idx)
+    for content, idx in _read_json(path / "added_tokens.json").items():
+        specials[content] = int(idx)
+    token_map = _read_json(path / "special_tokens_map.json")
+    for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        for content in _token_content(config.get(key)):
+            specials.setdefault(content, None)
+    for value in token_map.values():
+        for content in _token_content(value):
+            specials.setdefault(content, None)
+    return specials
+
+
+def build_tokenizer(tokenizer_dir: str | Path | None = None) -> Tokenizer:
+    """A byte-level BPE `Tokenizer` from tokenizer_dir (default: the shipped GPT-2 files)."""
+    path = resolve_tokenizer_dir(tokenizer_dir)
+    if (path / "tokenizer.json").is_file():
+        return Tokenizer.from_file(str(path / "tokenizer.json"))
+    vocab, merges = path / "vocab.json", path / "merges.txt"
+    if not vocab.is_file() or not merges.is_file():
+        raise ValueError(f"{path} needs tokenizer.json, or vocab.json + merges.txt")
+    bpe = models.BPE.from_file(str(vocab), str(merges), continuing_subword_prefix="",
+                               end_of_word_suffix="", fuse_unk=False, byte_fallback=False)
+    tok = Tokenizer(bpe)
+    family = str(_read_json(path / "tokenizer_config.json").get("tokenizer_class", ""))
+    if family.startswith("Qwen2"):
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    specials = _special_tokens(path)
+    # Tokens already in vocab.json keep their id; new ones are appended in id order.
+    ordered = sorted(specials.items(), key=lambda kv: (kv[1] is None, kv[1] or 0, kv[0]))
+    for content, want in ordered:
+        tok.add_special_tokens([AddedToken(content, special=True, normalized=False)])
+        got = tok.token_to_id(content)
+        if want is not None and got != want:
+            raise ValueError(f"special token {content!r} got id {got}, the config says {want}; "
+                             f"{path} is inconsistent")
+    return tok
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """Little-endian uint16 when every id fits in 16 bits, else uint32."""
+    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
+
+
+def _expand(paths: list[str | Path]) -> list[Path]:
+    """Input files in order; a directory stands for its *.txt files, sorted by name."""
+    files: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            found = sorted(p.glob("*.txt"))
+            if not found:
+                raise ValueError(f"directory {p} has no *.txt files")
+            files += found
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise ValueError(f"input {p} does not exist")
+    if not files:
+        raise ValueError("no input files given")
+    return files
+
+
+def encode_documents(paths: list[str | Path], tokenizer: Tokenizer, *,
+                     eos_token: str = DEFAULT_EOS) -> tuple[np.ndarray, list[Path]]:
+    """Token ids (int64) of every file, EOS between consecutive documents; and the files read."""
+    eos_id = tokenizer.token_to_id(eos_token)
+    if eos_id is None:
+        raise ValueError(f"tokenizer has no token {eos_token!r} to separate documents")
+    files = _expand(paths)
+    pieces: list[np.ndarray] = []
+    for start in range(0, len(files), ENCODE_BATCH):
+        batch = files[start:start + ENCODE_BATCH]
+        texts = []
+        for f in batch:
+            try:
+                texts.append(f.read_text(encoding="utf-8"))
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{f} is not UTF-8 text: {err}") from err
+        for enc in tokenizer.encode_batch(texts, add_special_tokens=False):
+            if pieces:
+                pieces.append(np.array([eos_id], dtype=np.int64))
+            pieces.append(np.asarray(enc.ids, dtype=np.int64))
+    return np.concatenate(pieces), files
+
+
+def sidecar_path(out_path: str | Path) -> Path:
+    """X.bin -> X.json, the metadata file beside a token file."""
+    out_path = Path(out_path)
+    if out_path.suffix == ".json":
+        raise ValueError(f"token file {out_path} must not end in .json (that is the sidecar)")
+    return out_path.with_suffix(".json")
+
+
+def write_tokens(tokens: np.ndarray, out_path: str | Path, *, vocab_size: int, meta: dict) -> dict:
+    """Write tokens as a flat .bin and its .json sidecar; return the sidecar dict."""
+    out_path = Path(out_path)
+    dtype = token_dtype(vocab_size)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
+        raise ValueError(f"token ids outside [0, {vocab_size}) cannot be stored")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tokens.astype(dtype).tofile(out_path)
+    info = {"dtype": dtype.name, "byteorder": "little", "n_tokens": int(tokens.size),
+            "vocab_size": vocab_size, **meta}
+    sidecar_path(out_path).write_text(json.dumps(info, indent=2) + "\n")
+    return info
+
+
+def tokenize_files(paths: list[str | Path], tokenizer: Tokenizer, out_path: str | Path, *,
+                   eos_token: str = DEFAULT_EOS, tokenizer_name: str = DEFAULT_TOKENIZER) -> dict:
+    """Tokenize files (one document each) into one flat token file; return its metadata."""
+    tokens, files = encode_documents(paths, tokenizer, eos_token=eos_token)
+    meta = {"tokenizer": tokenizer_name, "eos_id": tokenizer.token_to_id(eos_token),
+            "n_documents": len(files), "sources": [f.name for f in files], "split": "all"}
+    return write_tokens(tokens, out_path, vocab_size=tokenizer.get_vocab_size(), meta=meta)
+
+
+def load_tokens(path: str | Path, *, dtype: str | None = None) -> torch.Tensor:
+    """A token file as a 1-D LongTensor; dtype comes from the .json sidecar unless given."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"token file {path} does not exist")
+    info = _read_json(sidecar_path(path))
+    dtype = dtype or info.get("dtype")
+    if dtype not in ("uint16", "uint32"):
+        raise ValueError(f"{path}: no sidecar {sidecar_path(path).name} naming the dtype; "
+                         "pass dtype='uint16' or 'uint32'")
+    arr = np.fromfile(path, dtype=np.dtype(dtype).newbyteorder("<"))
+    if "n_tokens" in info and arr.size != info["n_tokens"]:
+        raise ValueError(f"{path} holds {arr.size} tokens, its sidecar says {info['n_tokens']}")
+    return torch.from_numpy(arr.astype(np.int64))
+
+
+def val_path_for(out: str | Path) -> Path:
+    """train.bin -> train.val.bin, where `main` writes the held-out tail."""
+    out = Path(out)
+    return out.with_name(f"{out.stem}.val{out.suffix or '.bin'}")
+
+
+def main(inputs: list[str], tokenizer_dir: str | None, out: str,
+         val_fraction: float = 0.0) -> list[Path]:
+    """Tokenize inputs (files or directories of *.txt) into out; with val_fraction > 0 the last
+    val_fraction of the tokens go to val_path_for(out) instead. Returns the files written."""
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    path = resolve_tokenizer_dir(tokenizer_dir)
+    tokenizer = build_tokenizer(path)
+    tokens, files = encode_documents(inputs, tokenizer)
+    meta = {"tokenizer": path.name, "eos_id": tokenizer.token_to_id(DEFAULT_EOS),
+            "n_documents": len(files), "sources": [f.name for f in files]}
+    vocab_size = tokenizer.get_vocab_size()
+    n_val = 0 if val_fraction == 0 else max(1, round(tokens.size * val_fraction))
+    if n_val >= tokens.size:
+        raise ValueError(f"val_fraction {val_fraction} leaves no training tokens of {tokens.size}")
+    written = []
+    splits = [(Path(out), tokens[:tokens.size - n_val], "train" if n_val else "all")]
+    if n_val:
+        splits.append((val_path_for(out), tokens[tokens.size - n_val:], "val"))
+    for dest, part, split in splits:
+        info = write_tokens(part, dest, vocab_size=vocab_size, meta={**meta, "split": split})
+        print(f"wrote {dest}: {info['n_tokens']:,} tokens ({info['dtype']}, {split})")
+        written.append(dest)
+    return written
+
+
+tokenize_main = main
