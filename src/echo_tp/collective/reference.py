@@ -36,7 +36,7 @@ class DistTransport:
 
     def all_gather(self, buf: torch.Tensor) -> torch.Tensor:
         out = torch.empty((self.world_size, *buf.shape), dtype=buf.dtype, device=buf.device)
-        dist.all_gather_into_tensor(out, buf.contiguous(), group=self.group)
+        dist.all_gather(list(out.unbind(0)), buf.contiguous(), group=self.group)
         return out
 
     def all_max(self, t: torch.Tensor) -> torch.Tensor:
