@@ -1,4 +1,1 @@
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(__file__))  # tests/harness.py
+"""pytest runs against this checkout's src/ (pyproject: pythonpath), whatever is installed."""
