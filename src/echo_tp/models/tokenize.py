@@ -111,6 +111,27 @@ def build_tokenizer(tokenizer_dir: str | Path | None = None) -> Tokenizer:
     return tok
 
 
+def train_tokenizer(inputs: list[str | Path], vocab_size: int, out_dir: str | Path) -> Path:
+    """Train a GPT-2-style byte-level BPE (`tokenizers`' trainer) on inputs (files or folders of
+    *.txt) with <|endoftext|> as its only special token; saves out_dir/tokenizer.json."""
+    from tokenizers import trainers
+    if vocab_size < 257 + 1:
+        raise ValueError(f"vocab_size must exceed the 256 byte symbols + EOS, got {vocab_size}")
+    files = _expand(list(inputs))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[DEFAULT_EOS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train([str(f) for f in files], trainer)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    return out / "tokenizer.json"
+
+
 def token_dtype(vocab_size: int) -> np.dtype:
     """Little-endian uint16 when every id fits in 16 bits, else uint32."""
     return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
