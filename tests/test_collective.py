@@ -1,4 +1,4 @@
-"""The quantized all-reduce on real gloo ranks (P = 2 and 4) against SPEC.md §2, and the simulated
+"""The quantized all-reduce on real gloo ranks (P = 2, 4 and 8) against SPEC.md §2, and the simulated
 backend against those real runs, bit for bit.
 
 Each world size is spawned once (module fixture) and runs every case; the tests then compare:
@@ -92,7 +92,7 @@ def _worker(rank, world_size):
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["P2", "P4"])
+@pytest.fixture(scope="module", params=[2, 4, 8], ids=["P2", "P4", "P8"])
 def world(request):
     return request.param, run_ranks(request.param, _worker)
 
