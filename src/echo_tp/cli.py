@@ -36,10 +36,87 @@ def _tokenize(sub):
     p.set_defaults(func=run)
 
 
+def _tp_mode(p):
+    g = p.add_argument_group("TP group (pick one; under torchrun: neither)")
+    g.add_argument("--simulate", type=int, default=None, metavar="P",
+                   help="P virtual ranks in this process (bit-identical to real ranks at 4/8 bits)")
+    g.add_argument("--world-size", type=int, default=None, metavar="P",
+                   help="spawn P gloo processes on CPU")
+
+
+def _eval(sub):
+    p = sub.add_parser("eval", help="perplexity under several comm configs (16/8/4/Echo/...)")
+    p.add_argument("--model", required=True, help="HF checkpoint directory or a preset name "
+                   "(random init from --seed)")
+    p.add_argument("--data", required=True, help="token file (.bin + .json sidecar) or a text file")
+    p.add_argument("--comms", nargs="+", default=["16", "8", "4", "echo4"],
+                   help="comm specs NAME[:KEY=VALUE,...], e.g. 16 4 echo4 early8 "
+                   "'echo4:eta=0.9,quantizer=naive' (keys: bits g quantizer eta a beta1 beta2 "
+                   "residual grad_scaling policy)")
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--stride", type=int, default=None,
+                   help="window stride (default: --context, non-overlapping windows)")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--max-windows", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default=None, help="simulated runs: cpu/cuda (default cuda if any)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory for text data")
+    p.add_argument("--out", default=None, help="JSON results file")
+    p.add_argument("--no-progress", action="store_true")
+    _tp_mode(p)
+
+    def run(a):
+        from .eval import main
+        main(model=a.model, data=a.data, comms=a.comms, context=a.context, stride=a.stride,
+             batch_size=a.batch_size, max_windows=a.max_windows, simulate=a.simulate,
+             world_size=a.world_size, seed=a.seed, dtype=a.dtype, device=a.device,
+             tokenizer=a.tokenizer, out=a.out, progress=not a.no_progress)
+    p.set_defaults(func=run)
+
+
+def _train(sub):
+    p = sub.add_parser("train", help="TP pretraining from scratch with one comm config")
+    p.add_argument("--model", default="qwen3-150m", help="model preset")
+    p.add_argument("--train-data", required=True, help="token file (.bin + .json sidecar)")
+    p.add_argument("--val-data", default=None, help="held-out token file")
+    p.add_argument("--comm", default="16", help="comm spec, e.g. 16, echo4, 'echo4:eta=0.9'")
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch")
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--min-lr", type=float, default=None, help="default: lr / 10")
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--clip", type=float, default=1.0, help="max grad norm (0: off)")
+    p.add_argument("--eval-every", type=int, default=0)
+    p.add_argument("--eval-batches", type=int, default=20)
+    p.add_argument("--save-every", type=int, default=0)
+    p.add_argument("--out-dir", default="runs/train")
+    p.add_argument("--seed", type=int, default=0, help="init and data order")
+    p.add_argument("--device", default=None, help="simulated runs: cpu/cuda (default cuda if any)")
+    p.add_argument("--amp", default=None, action=argparse.BooleanOptionalAction,
+                   help="bf16 autocast (default: on for CUDA)")
+    p.add_argument("--no-progress", action="store_true")
+    _tp_mode(p)
+
+    def run(a):
+        from .train import main
+        main(model=a.model, train_data=a.train_data, val_data=a.val_data, comm=a.comm,
+             steps=a.steps, seq_len=a.seq_len, batch_size=a.batch_size,
+             grad_accum=a.grad_accum, lr=a.lr, min_lr=a.min_lr, warmup=a.warmup,
+             weight_decay=a.weight_decay, clip=a.clip, eval_every=a.eval_every,
+             eval_batches=a.eval_batches, save_every=a.save_every, out_dir=a.out_dir,
+             seed=a.seed, device=a.device, amp=a.amp, simulate=a.simulate,
+             world_size=a.world_size, progress=not a.no_progress)
+    p.set_defaults(func=run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="echo-tp", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_demo, _tokenize):
+    for add in (_demo, _tokenize, _eval, _train):
         add(sub)
     return parser
 

@@ -1,0 +1,200 @@
+"""`echo-tp eval`: perplexity of one model under a list of comm configs, in one invocation.
+
+    main(model="qwen3-150m" | "/path/to/hf_dir", data="wiki.valid.raw" | "val.bin",
+         comms=["16", "8", "4", "echo4", "early8", "echo4:eta=0.9,quantizer=naive"],
+         simulate=4)                                     # or world_size=4, or under torchrun
+
+The model is loaded once (an HF checkpoint directory, or a preset with a seeded random init),
+parallelized once, and pointed at each comm config in turn (tp.set_comm), so every config sees
+the same weights and the same windows.
+
+Windows (`sliding_windows`): fixed context T, stride S (default S = T: non-overlapping). Window k
+reads tokens [kS, kS + T) and predicts [kS + 1, kS + T]. The first window scores all T targets,
+every later one only its last S targets (the ones no earlier window scored), so with S < T each
+scored token sees at least T - S tokens of context. Tokens past the last full window are dropped.
+Perplexity = exp(total NLL / scored tokens), NLL summed in float64.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from echo_tp.models import (ModelConfig, build_meta_model, build_tokenizer, init_weights,
+                            load_hf_checkpoint, load_tokens)
+from echo_tp.models.tokenize import resolve_tokenizer_dir
+from echo_tp.tp import parallelize, parse_comm_specs, set_comm
+from echo_tp.tp.runtime import launch, make_comm, rank_device
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalOptions:
+    model: str
+    """HF checkpoint directory, or a preset name (random init from `seed`)."""
+    data: str
+    """A token file (.bin with its .json sidecar) or a UTF-8 text file (tokenized here)."""
+    comms: tuple[str, ...]
+    """Comm spec strings (tp.policy): '16', '8', '4', 'echo4', 'early8', 'echo4:eta=0.9', ..."""
+    context: int = 1024
+    stride: int | None = None
+    batch_size: int = 4
+    max_windows: int | None = None
+    seed: int = 0
+    dtype: str = "float32"
+    device: str | None = None
+    tokenizer: str | None = None
+    progress: bool = True
+
+
+def sliding_windows(n_tokens: int, context: int, stride: int | None = None,
+                    max_windows: int | None = None) -> list[tuple[int, int]]:
+    """(start, first scored position) of each window over a stream of n_tokens."""
+    stride = context if stride is None else stride
+    if context < 1 or not 1 <= stride <= context:
+        raise ValueError(f"need context >= 1 and 1 <= stride <= context, got {context}, {stride}")
+    if n_tokens < context + 1:
+        raise ValueError(f"{n_tokens} tokens do not fill one window of {context} (+1 target); "
+                         "lower --context")
+    count = (n_tokens - 1 - context) // stride + 1
+    if max_windows is not None:
+        count = min(count, max_windows)
+    return [(k * stride, 0 if k == 0 else context - stride) for k in range(count)]
+
+
+def load_model(spec: str, *, seed: int, dtype: torch.dtype, device: torch.device):
+    """(Transformer in eval mode, ModelConfig) from an HF directory or a preset name."""
+    if Path(spec).is_dir():
+        return load_hf_checkpoint(spec, dtype=dtype, device=device)
+    cfg = ModelConfig.from_name(spec)
+    model = init_weights(build_meta_model(cfg).to_empty(device=device), seed=seed)
+    return model.to(dtype).eval(), cfg
+
+
+def load_eval_tokens(data: str, *, model_spec: str, tokenizer: str | None) -> torch.Tensor:
+    """A 1-D LongTensor of the data's tokens (text files tokenized with the model's tokenizer
+    files when its directory has them, else `tokenizer`, else the shipped GPT-2)."""
+    path = Path(data)
+    if not path.is_file():
+        raise ValueError(f"data file {data} does not exist")
+    if path.suffix == ".bin":
+        return load_tokens(path)
+    tok_dir = tokenizer
+    if tok_dir is None and Path(model_spec).is_dir() and any(
+            (Path(model_spec) / f).is_file() for f in ("tokenizer.json", "vocab.json")):
+        tok_dir = model_spec
+    tok = build_tokenizer(resolve_tokenizer_dir(tok_dir))
+    return torch.tensor(tok.encode(path.read_text(encoding="utf-8")).ids, dtype=torch.long)
+
+
+@torch.inference_mode()
+def window_nll(model, tokens: torch.Tensor, windows, *, context: int, batch_size: int, device,
+               bar=None) -> tuple[float, int]:
+    """(sum of NLL in float64, scored tokens) over windows of `context` tokens."""
+    T = context
+    total, count = 0.0, 0
+    for i in range(0, len(windows), batch_size):
+        batch = windows[i:i + batch_size]
+        x = torch.stack([tokens[s:s + T] for s, _ in batch]).to(device)          # [B, T]
+        y = torch.stack([tokens[s + 1:s + T + 1] for s, _ in batch]).to(device)  # [B, T]
+        logits = model(x)                                                        # [B, T, V]
+        nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
+        nll = nll.view(len(batch), T)
+        for b, (_, first) in enumerate(batch):
+            total += float(nll[b, first:].double().sum())
+            count += T - first
+        if bar is not None:
+            bar.update(len(batch))
+    return total, count
+
+
+def _rank_eval(rank: int | None, world_size: int, opts: EvalOptions) -> list[dict]:
+    device = rank_device(opts.device, rank)
+    if opts.dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {opts.dtype!r}")
+    specs = parse_comm_specs(list(opts.comms))
+    model, cfg = load_model(opts.model, seed=opts.seed, dtype=DTYPES[opts.dtype], device=device)
+    tokens = load_eval_tokens(opts.data, model_spec=opts.model, tokenizer=opts.tokenizer)
+    if tokens.numel() and int(tokens.max()) >= cfg.vocab_size:
+        raise ValueError(f"token id {int(tokens.max())} >= the model's vocab_size "
+                         f"{cfg.vocab_size}: data and model use different tokenizers")
+    windows = sliding_windows(tokens.numel(), opts.context, opts.stride, opts.max_windows)
+    main = rank in (None, 0)
+    bar = None
+    if opts.progress and main:
+        from tqdm import tqdm
+        bar = tqdm(total=len(windows) * len(specs), desc="eval", unit="win")
+    results = []
+    for i, spec in enumerate(specs):
+        comm = make_comm(rank, world_size, spec.config)
+        if i == 0:
+            parallelize(model, comm, rank, policy=spec.policy)
+        else:
+            set_comm(model, comm, policy=spec.policy)
+        if bar is not None:
+            bar.set_postfix_str(spec.label)
+        t0 = time.perf_counter()
+        nll, n = window_nll(model, tokens, windows, batch_size=opts.batch_size, device=device,
+                            bar=bar, context=opts.context)
+        results.append({**spec.as_dict(), "ppl": math.exp(nll / n), "nll": nll / n,
+                        "tokens": n, "windows": len(windows),
+                        "seconds": time.perf_counter() - t0})
+        comm.close()
+    if bar is not None:
+        bar.close()
+    return results
+
+
+def format_table(results: list[dict]) -> str:
+    """A fixed-width table: one row per comm config, ppl change against the first row."""
+    base = results[0]["ppl"]
+    width = max(12, *(len(r["label"]) for r in results))
+    lines = [f"{'comm config':<{width}}  {'ppl':>10}  {'vs ' + results[0]['label']:>12}  "
+             f"{'tokens':>9}  {'s':>7}"]
+    for r in results:
+        lines.append(f"{r['label']:<{width}}  {r['ppl']:>10.4f}  {r['ppl'] - base:>+12.4f}  "
+                     f"{r['tokens']:>9}  {r['seconds']:>7.1f}")
+    return "\n".join(lines)
+
+
+def main(*, model: str, data: str, comms: list[str], context: int = 1024,
+         stride: int | None = None, batch_size: int = 4, max_windows: int | None = None,
+         simulate: int | None = None, world_size: int | None = None, seed: int = 0,
+         dtype: str = "float32", device: str | None = None, tokenizer: str | None = None,
+         out: str | None = None, progress: bool = True) -> list[dict]:
+    """Perplexity of `model` on `data` under every comm config; prints a table (rank 0), writes
+    JSON to `out` when given, returns the result rows (rank 0's; every rank computes the same)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    parse_comm_specs(list(comms))  # fail fast, before any process starts
+    opts = EvalOptions(model=model, data=data, comms=tuple(comms), context=context,
+                       stride=stride, batch_size=batch_size, max_windows=max_windows, seed=seed,
+                       dtype=dtype, device=device, tokenizer=tokenizer, progress=progress)
+    run = launch(_rank_eval, opts, simulate=simulate, world_size=world_size)
+    results = run.result
+    if run.is_main:
+        P = simulate or world_size or _world()
+        mode = "simulated" if simulate else "real"
+        print(f"model {model} | data {data} | TP={P} ({mode}) | context {context}, stride "
+              f"{stride or context} | {results[0]['windows']} windows, "
+              f"{results[0]['tokens']} scored tokens")
+        print(format_table(results))
+        if out:
+            record = {"model": model, "data": data, "world_size": P, "mode": mode,
+                      "context": context, "stride": stride or context, "dtype": dtype,
+                      "seed": seed, "results": results}
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            Path(out).write_text(json.dumps(record, indent=2) + "\n")
+    return results
+
+
+def _world() -> int:
+    import torch.distributed as dist
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])

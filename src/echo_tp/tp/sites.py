@@ -1,0 +1,140 @@
+"""Autograd sites where a TP model talks to its communicator.
+
+Forward sites ("g", after o_proj / down_proj): all_reduce(partial, direction='forward') forward,
+identity backward. Backward sites ("f", at the input of q/k/v and of gate/up): identity forward,
+all_reduce(input_grad, direction='backward') backward. Both take `bits=policy(site)`.
+
+Numbering. Site 2l is layer l's attention block, 2l+1 its MLP block (STATIC index, used by the
+bit policy). The communicator numbers calls within a pass in call order:
+    forward pass : call k == static site k                     (0, 1, ..., 2L-1)
+    backward pass: call k == static site 2L-1-k                (reverse layer order: layer L-1's
+                   MLP input gradient is reduced first, layer 0's attention input gradient last)
+Passes: every model forward starts with comm.new_pass('forward') (a pre-hook on the model);
+its output goes through `BackwardPassStart`, whose backward runs first in the backward pass and
+calls comm.new_pass('backward'). So both directions' compensator state and site counters reset
+once per pass, and the two directions never share state.
+
+Simulated (P virtual ranks in one process): `SimCopy` hands each virtual shard its own view of
+the block input and all-reduces the P input gradients as [P, ...]; `SimReduce` sums the P partial
+outputs given as a [P, ...] stack. The communicator's backward direction applies the power-of-two
+gradient scaling itself (SPEC §5).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from echo_tp.models.config import ModelConfig
+
+
+@dataclass
+class TPContext:
+    """What every site of one parallelized model shares: the communicator and the bit policy
+    (both swappable, tp.set_comm), plus the bookkeeping of how parameters are split."""
+
+    comm: object
+    policy: object
+    world_size: int
+    n_layers: int
+    rank: int | None  # None when simulated
+    cfg: ModelConfig | None = None
+    shards: dict = field(default_factory=dict)
+    """real parameter name -> (dim, [indices of rank 0..P-1], full size along dim)."""
+    replicas: dict = field(default_factory=dict)
+    """real parameter name -> groups of ranks holding identical copies (after grad sync)."""
+    partial: set = field(default_factory=set)
+    """real parameter names whose per-rank gradient is a partial sum over its replica group."""
+    sim_names: dict = field(default_factory=dict)
+    """simulated only: (rank, real name) -> name in the simulated model."""
+
+    @property
+    def simulated(self) -> bool:
+        return self.rank is None
+
+    def bits(self, site: int):
+        return self.policy(site)
+
+
+@dataclass(eq=False)
+class Site:
+    """One block's pair of sites: forward all-reduce of its output, backward of its input grad."""
+
+    tp: TPContext
+    index: int
+
+    def forward_reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        return self.tp.comm.all_reduce(partial, direction="forward", bits=self.tp.bits(self.index))
+
+    def backward_reduce(self, grad: torch.Tensor) -> torch.Tensor:
+        return self.tp.comm.all_reduce(grad, direction="backward", bits=self.tp.bits(self.index))
+
+
+class CopyToTP(torch.autograd.Function):
+    """f: identity forward; the input gradient is all-reduced (backward site)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, site: Site) -> torch.Tensor:
+        ctx.site = site
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.site.backward_reduce(grad.contiguous()), None
+
+
+class ReduceFromTP(torch.autograd.Function):
+    """g: the partial outputs are all-reduced (forward site); identity backward."""
+
+    @staticmethod
+    def forward(ctx, partial: torch.Tensor, site: Site) -> torch.Tensor:
+        return site.forward_reduce(partial)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class SimCopy(torch.autograd.Function):
+    """Simulated f: x -> P views (one per virtual shard); backward all-reduces the stack of the
+    P shards' input gradients [P, ...] and returns the (identical) sum."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, site: Site):
+        ctx.site = site
+        return tuple(x.view_as(x) for _ in range(site.tp.world_size))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ref = next(g for g in grads if g is not None)
+        stacked = torch.stack([torch.zeros_like(ref) if g is None else g for g in grads])
+        return ctx.site.backward_reduce(stacked)[0], None
+
+
+class SimReduce(torch.autograd.Function):
+    """Simulated g: [P, ...] stack of the shards' partial outputs -> their sum; the gradient of
+    every shard's partial is the output gradient (identity, as on a real rank)."""
+
+    @staticmethod
+    def forward(ctx, stacked: torch.Tensor, site: Site) -> torch.Tensor:
+        ctx.world_size = stacked.shape[0]
+        return site.forward_reduce(stacked)[0].clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.unsqueeze(0).expand(ctx.world_size, *grad.shape), None
+
+
+class BackwardPassStart(torch.autograd.Function):
+    """Identity on the model output; its backward, the first node of every backward pass,
+    starts a new backward pass on the communicator."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, tp: TPContext) -> torch.Tensor:
+        ctx.tp = tp
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.tp.comm.new_pass("backward")
+        return grad, None

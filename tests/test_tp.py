@@ -1,0 +1,289 @@
+"""Tensor-parallel models (echo_tp.tp) on real gloo ranks (P = 2, 4) and simulated in-process.
+
+What is compared with what:
+- gloo TP at bits=16 vs the single-device model: logits and every parameter gradient (each rank's
+  slice of the whole gradient, after tp.sync_partial_grads), the gathered weights, the global
+  grad norm. Tolerance: logits atol 1e-5 (values O(1)), grads atol 2e-6 + rtol 1e-4; TP sums the
+  same fp32 products in another grouping (per-shard dot products, then the all-reduce), which
+  moves results by a few ulp and never by a wrong slice, head or missing all-reduce.
+- simulated TP vs gloo TP at bits 4 (output residual) and 8 (local residual): logits, and every shard's
+  gradients after one training step, bit for bit; greedy generation with a KV cache, token for
+  token. Cases cover Llama (with and without attention bias), Qwen3 (q/k norm: partial grads)
+  and, at P=4, 2 kv heads replicated over 4 ranks.
+- simulated only: pass resets and direction separation (site counters, telemetry, determinism of
+  repeated passes), bit policies in both directions, replicated kv heads at P=8, and Echo 4-bit
+  against uncompensated 4-bit on a model with planted outlier channels.
+Where to look first: a 16-bit mismatch -> tp/plan.py (head/kv index maths) or tp/parallelize.py
+(_shard); a simulated != gloo mismatch -> SimTPBlock / SimCopy / SimReduce (the shard loop must
+run the very ops of a real rank) or grads.sync_partial_grads (sum order).
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from echo_tp import EchoConfig, SimulatedCommunicator
+from echo_tp.models import ModelConfig, build_meta_model, init_weights
+from echo_tp.tp import (full_state_dict, grad_norm, make_policy, parallelize, parse_comm_spec,
+                        rank_parameters, sync_partial_grads)
+from harness import run_ranks
+
+CASES = {  # name -> (preset, ModelConfig overrides, world sizes it runs at)
+    "llama": ("tiny-llama", {}, (2,)),
+    "llama-bias": ("tiny-llama", {"attention_bias": True}, (2,)),
+    "qwen3": ("tiny-qwen3", {}, (2, 4)),
+    "qwen3-kv2": ("tiny-qwen3", {"n_kv_heads": 2}, (4,)),  # kv heads replicated over 2 ranks
+}
+QUANT_CONFIGS = [dict(bits=4), dict(bits=8, residual="local")]
+LOGIT_ATOL, GRAD_ATOL, GRAD_RTOL = 1e-5, 2e-6, 1e-4
+
+
+def build(case: str) -> torch.nn.Module:
+    preset, over, _ = CASES[case]
+    cfg = ModelConfig.from_name(preset).replace(**over)
+    model = init_weights(build_meta_model(cfg).to_empty(device="cpu"), seed=11, std=0.1)
+    g = torch.Generator().manual_seed(12)
+    with torch.no_grad():  # norms and biases away from 1 / 0, so a dropped one shows
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def batch():
+    g = torch.Generator().manual_seed(13)
+    return torch.randint(0, 256, (2, 9), generator=g), torch.randint(0, 256, (2, 9), generator=g)
+
+
+def step(model):
+    """Forward + cross-entropy backward + partial-grad sync: (logits, {real name: grad})."""
+    x, y = batch()
+    logits = model(x)
+    F.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
+    if getattr(model, "echo_tp", None) is not None:
+        sync_partial_grads(model)
+    return logits.detach()
+
+
+def grads_of(params):
+    return {n: p.grad.clone() for n, p in params.items()}
+
+
+def _worker(rank, world_size):
+    from echo_tp import EchoCommunicator
+    out = {}
+    for case, (_, _, sizes) in CASES.items():
+        if world_size not in sizes:
+            continue
+        for cfg in [dict(bits=16)] + QUANT_CONFIGS:
+            model = build(case)
+            parallelize(model, EchoCommunicator.from_group(None, EchoConfig(**cfg)), rank)
+            logits = step(model)
+            res = {"logits": logits, "grads": grads_of(rank_parameters(model))}
+            if cfg["bits"] == 16:
+                res["state"] = full_state_dict(model)
+                res["norm"] = grad_norm(model)
+                res["shards"] = {k: (d, idx) for k, (d, idx, _) in model.echo_tp.shards.items()}
+            if cfg == QUANT_CONFIGS[0]:
+                model.eval()
+                res["generated"] = model.generate(batch()[0][:, :4], 5)
+            out[(case, str(cfg))] = res
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["P2", "P4"])
+def world(request):
+    return request.param, run_ranks(request.param, _worker)
+
+
+def _slice(full, shards, name, rank):
+    if name not in shards:
+        return full
+    dim, idx = shards[name]
+    return full.index_select(dim, idx[rank])
+
+
+def test_tp_matches_single_device_at_16_bits(world):
+    P, res = world
+    for case, (_, _, sizes) in CASES.items():
+        if P not in sizes:
+            continue
+        ref = build(case)
+        ref_logits = step(ref)
+        ref_grads = grads_of(dict(ref.named_parameters(remove_duplicate=False)))
+        ref_norm = torch.stack([p.grad.square().sum() for p in ref.parameters()]).sum().sqrt()
+        for r in range(P):
+            got = res[r][(case, str(dict(bits=16)))]
+            torch.testing.assert_close(got["logits"], ref_logits, atol=LOGIT_ATOL, rtol=0)
+            assert set(got["grads"]) == set(ref_grads), case
+            for name, g in got["grads"].items():
+                want = _slice(ref_grads[name], got["shards"], name, r)
+                torch.testing.assert_close(g, want, atol=GRAD_ATOL, rtol=GRAD_RTOL,
+                                           msg=lambda m: f"{case} rank {r} {name}: {m}")
+            for name, w in ref.state_dict().items():
+                assert torch.equal(got["state"][name], w), (case, name)
+            torch.testing.assert_close(got["norm"], ref_norm, atol=0, rtol=1e-5)
+
+
+def test_simulated_is_bit_identical_to_gloo(world):
+    P, res = world
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the spawned ranks (harness); keeps BLAS blocking equal
+    try:
+        _compare_simulated(P, res)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _compare_simulated(P, res):
+    for case, (_, _, sizes) in CASES.items():
+        if P not in sizes:
+            continue
+        for cfg in QUANT_CONFIGS:
+            sim = build(case)
+            parallelize(sim, SimulatedCommunicator(P, EchoConfig(**cfg)))
+            logits = step(sim)
+            for r in range(P):
+                got = res[r][(case, str(cfg))]
+                assert torch.equal(logits, got["logits"]), (case, cfg, r)
+                params = rank_parameters(sim, r)
+                assert set(params) == set(got["grads"]), (case, cfg)
+                for name, p in params.items():
+                    assert torch.equal(p.grad, got["grads"][name]), (case, cfg, r, name)
+            if cfg == QUANT_CONFIGS[0]:
+                sim.eval()
+                gen = sim.generate(batch()[0][:, :4], 5)
+                for r in range(P):
+                    assert torch.equal(gen, res[r][(case, str(cfg))]["generated"]), (case, r)
+
+
+def test_kv_heads_replicated_beyond_their_count_simulated():
+    """P=8 > 4 kv heads (tiny presets): each rank keeps the kv head of its query heads."""
+    for case in ("llama", "qwen3"):
+        ref = build(case)
+        ref_logits = step(ref)
+        ref_grads = grads_of(dict(ref.named_parameters(remove_duplicate=False)))
+        sim = build(case)
+        parallelize(sim, SimulatedCommunicator(8, EchoConfig(bits=16)))
+        torch.testing.assert_close(step(sim), ref_logits, atol=LOGIT_ATOL, rtol=0)
+        shards = {k: (d, idx) for k, (d, idx, _) in sim.echo_tp.shards.items()}
+        for r in range(8):
+            k = rank_parameters(sim, r)["model.layers.0.self_attn.k_proj.weight"]
+            assert k.shape[0] == 16  # one kv head of head_dim 16
+            for name, p in rank_parameters(sim, r).items():
+                torch.testing.assert_close(p.grad, _slice(ref_grads[name], shards, name, r),
+                                           atol=GRAD_ATOL, rtol=GRAD_RTOL)
+        assert sim.echo_tp.replicas["model.layers.0.self_attn.k_proj.weight"] == \
+            [(0, 1), (2, 3), (4, 5), (6, 7)]
+        torch.testing.assert_close(grad_norm(sim), torch.stack(
+            [p.grad.square().sum() for p in ref.parameters()]).sum().sqrt(), atol=0, rtol=1e-5)
+
+
+def test_passes_reset_and_directions_are_separate():
+    model = build("qwen3")
+    L = model.cfg.n_layers
+    comm = SimulatedCommunicator(2, EchoConfig(bits=4), telemetry=True)
+    parallelize(model, comm, policy="early8")
+    x, y = batch()
+    first = []
+    for rep in range(2):
+        logits = model(x)
+        assert comm.passes["forward"].sites == 2 * L
+        fwd_state = comm.state("forward")
+        m1 = fwd_state.m1.clone()
+        assert comm.passes["backward"].sites == (0 if rep == 0 else 2 * L)
+        model.zero_grad(set_to_none=True)
+        F.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
+        assert comm.passes["backward"].sites == 2 * L  # reset at the start of each backward
+        assert comm.state("forward") is fwd_state and torch.equal(fwd_state.m1, m1)
+        assert comm.state("backward") is not fwd_state
+        grads = [p.grad.clone() for p in model.parameters()]
+        if rep == 0:
+            first = [logits.detach(), grads]
+        else:  # fresh state every pass: the repeat is bit-identical
+            assert torch.equal(logits, first[0])
+            assert all(torch.equal(a, b) for a, b in zip(grads, first[1]))
+    rows = comm.telemetry_summary()
+    fwd = [(r["pass"], r["site"], r["bits"]) for r in rows if r["direction"] == "forward"]
+    bwd = [(r["pass"], r["site"], r["bits"]) for r in rows if r["direction"] == "backward"]
+    # early8 at L=2: layer 0 (static sites 0, 1) at 8 bits; backward visits static 3, 2, 1, 0
+    assert fwd == [(p, s, b) for p in range(2) for s, b in enumerate([8, 8, 4, 4])]
+    assert bwd == [(p, s, b) for p in range(2) for s, b in enumerate([4, 4, 8, 8])]
+    with torch.no_grad():
+        model(x)  # no graph: the backward counter stays where it was
+    assert comm.passes["backward"].sites == 2 * L
+
+
+def planted_outlier_model(seed: int, n_layers: int = 8, channels: int = 4, gain: float = 10.0):
+    """tiny-llama with 8 layers whose o_proj/down_proj rows of a few hidden channels are scaled
+    up: those channels of every block output (and so of every all-reduce) are outliers."""
+    cfg = ModelConfig.from_name("tiny-llama").replace(n_layers=n_layers)
+    model = init_weights(build_meta_model(cfg).to_empty(device="cpu"), seed=seed).eval()
+    chans = torch.randperm(cfg.dim, generator=torch.Generator().manual_seed(1000 + seed))[:channels]
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[chans] *= gain
+            layer.mlp.down_proj.weight[chans] *= gain
+    return model
+
+
+OUTLIER_SEEDS = range(6)
+
+
+def test_echo_beats_uncompensated_4bit_with_outlier_channels():
+    """Relative logit deviation ||y - y16|| / ||y16|| at P=4 (simulated), 8 layers, 4 outlier
+    channels at 10x, 64 tokens. Measured, seeds 0-5: uncompensated 4-bit 0.23-0.69, Echo 4-bit
+    output residual 0.10-0.22, local residual 0.09-0.23; ratio Echo / uncompensated 0.32-0.61
+    (mean 0.45). Over seeds 6-25 the ratio averages 0.47-0.49 and peaks at 0.75 (output) and
+    0.92 (local), so the per-seed claim asserted is only "smaller", the margin is on the mean."""
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    table = {}
+    for seed in OUTLIER_SEEDS:
+        base = planted_outlier_model(seed)
+        outs = {}
+        for name in ("16", "4", "echo4-output", "echo4-local"):
+            model = copy.deepcopy(base)
+            parallelize(model, SimulatedCommunicator(4, EchoConfig.from_name(name)))
+            with torch.no_grad():
+                outs[name] = model(x)
+        dev = {n: float((outs[n] - outs["16"]).norm() / outs["16"].norm())
+               for n in ("4", "echo4-output", "echo4-local")}
+        table[seed] = dev
+    for seed, dev in table.items():
+        for mode in ("echo4-output", "echo4-local"):
+            assert dev[mode] < dev["4"], (seed, table)
+    mean = {n: sum(d[n] for d in table.values()) / len(table) for n in table[0]}
+    assert mean["echo4-output"] < 0.6 * mean["4"] and mean["echo4-local"] < 0.6 * mean["4"], mean
+
+
+def test_policies_and_comm_specs():
+    early = make_policy("early8", 5)  # first 5 // 2 = 2 layers = sites 0..3 at 8 bits
+    assert [early(s) for s in range(10)] == [8, 8, 8, 8, 4, 4, 4, 4, 4, 4]
+    assert make_policy("uniform8", 2)(3) == 8 and make_policy(None, 2)(0) is None
+    assert make_policy({0: 16}, 2)(0) == 16 and make_policy({0: 16}, 2)(1) is None
+    assert make_policy([4, 8, 4, 8], 2)(3) == 8
+    with pytest.raises(ValueError, match="entries"):
+        make_policy([4, 8], 2)
+    with pytest.raises(ValueError, match="expected 4, 8, 16"):
+        make_policy(lambda s: 5, 2)
+    spec = parse_comm_spec("echo4:eta=0.9,quantizer=naive,g=256,residual=local")
+    assert spec.config == EchoConfig(bits=4, eta=0.9, quantizer="naive", group_size=256,
+                                     residual="local")
+    assert parse_comm_spec("early8").policy == "early8"
+    assert parse_comm_spec("4").config.eta == 0.0
+    assert parse_comm_spec("16:policy=early8").policy == "early8"
+    for bad, msg in (("echo5", "unknown comm config"), ("echo4:eta", "KEY=VALUE"),
+                     ("echo4:bogus=1", "unknown key"), ("echo4:eta=x", "not a valid"),
+                     ("echo4:policy=late", "unknown policy"), ("echo4:g=100", "power of two")):
+        with pytest.raises(ValueError, match=msg):
+            parse_comm_spec(bad)
+
+
+def test_bad_tp_sizes_are_refused():
+    with pytest.raises(ValueError, match="n_heads=8 does not split over TP=3"):
+        parallelize(build("llama"), SimulatedCommunicator(3, EchoConfig(bits=16)))
+    model = build("llama")
+    parallelize(model, SimulatedCommunicator(2, EchoConfig(bits=16)))
+    with pytest.raises(ValueError, match="already parallelized"):
+        parallelize(model, SimulatedCommunicator(2, EchoConfig(bits=16)))
