@@ -54,7 +54,8 @@ def update_(state: CompState, u: torch.Tensor, k: CompensatorConstants) -> None:
 
 def output_residual(x_prime: torch.Tensor, y: torch.Tensor, world_size: int) -> torch.Tensor:
     """u = x' - y/P (fp32); summed over the group this is -delta."""
-    return x_prime - y.to(torch.float32) / world_size
+    yf = y.to(torch.float32)
+    return x_prime - yf / yf.new_full((), float(world_size))  # IEEE division on every device
 
 
 @dataclass

@@ -3,7 +3,8 @@
 SPEC.md §3. Values are quantized in groups of g consecutive elements. Each group sends its codes
 plus fp16 parameters (a scale, and a zero-point for the asymmetric policies); codes are computed
 from the fp16-rounded parameters, so every receiver dequantizes exactly what the sender meant.
-All arithmetic is fp32, one rounding per operation (no fused multiply-add), round-half-to-even.
+All arithmetic is fp32, one rounding per operation (no fused multiply-add), round-half-to-even,
+IEEE division on every device (see _const).
 
 Policies (L = 2^b - 1, Q = 2^(b-1) - 1):
   symmetric   s = max|x| / Q            q = clip(rint(x/s), -Q, Q)      x^ = s * q
@@ -48,6 +49,12 @@ class Packet(NamedTuple):
     zero: torch.Tensor | None
 
 
+def _const(like: torch.Tensor, v: float) -> torch.Tensor:
+    """v as a 0-dim tensor on like's device: torch on CUDA divides by a Python scalar as a
+    multiply by its fp32 reciprocal, by a tensor it divides (IEEE) as the CPU always does."""
+    return like.new_full((), float(v))
+
+
 def round_up_fp16(s: torch.Tensor) -> torch.Tensor:
     """fp32 [..] positive finite -> the smallest fp16 >= s (so the grid never shrinks)."""
     s16 = s.to(torch.float16)
@@ -64,12 +71,12 @@ def group_params(xg: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch
     constant = lo == hi
     if spec.quantizer == "symmetric":
         amax = torch.maximum(lo.abs(), hi.abs())
-        s = amax / spec.qmax
+        s = amax / _const(amax, spec.qmax)
         d = None
     else:
         # d = distance from 0 to [lo, hi] (0 when the group straddles 0)
         d = torch.clamp_min(torch.maximum(lo, -hi), 0.0)
-        s = (hi - lo) / spec.levels
+        s = (hi - lo) / _const(lo, spec.levels)
         s = torch.maximum(s, d / Z_MAX)
     s = torch.where(constant, lo.abs(), s)
     s = torch.where(s == 0, torch.ones_like(s), s)
@@ -86,6 +93,7 @@ def group_params(xg: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch
         z = z_naive + lam * (z_round - z_naive)
     else:
         z = z_naive
+    z = z + 0.0  # -0.0 -> +0.0: one zero-point byte pattern, however amin broke a +-0 tie
     z16 = torch.clamp(z, -FP16_MAX, FP16_MAX).to(torch.float16)
     return s16, z16
 

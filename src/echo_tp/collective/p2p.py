@@ -1,0 +1,219 @@
+"""Intra-node fast path: the fused compensated all-reduce over CUDA symmetric memory.
+
+Each rank owns one symmetric byte buffer per workspace (kernels/allreduce_kernels.Layout):
+receive slots for the segment packets its peers push, gather slots for the owners' reduced
+packets, and int64 readiness flags. Kernels store codes and fp16 parameters straight into the
+peers' buffers (their addresses come from the symmetric-memory handle; NVLink multicast is never
+used) and signal per tile with flags whose values only grow (the call's epoch). Per call, on the
+current stream and without a host synchronization:
+
+    epoch += 1 (device)  ->  entry (quantize + push)  ->  reduce (owner sum, requantize, push to
+    all)  ->  tail (decode, y, output-residual state update)
+
+Backward calls with grad_scaling add one kernel for the local max |x'| and the reference's
+`grad_scale` (one scalar MAX all-reduce through the process group) before entry.
+
+Bit-identical to the reference backend (collective/qar.py over DistTransport) for the same
+inputs, state and config; calls with record=True run the reference itself. Waits are bounded by
+ECHO_FLAG_TIMEOUT_S: a timed-out kernel writes (rank, stage, tile, peer) to pinned host memory
+and the next call raises RuntimeError (`check_error()` syncs and raises at once).
+Workspaces are cached per (dtype, bits, policy, P, segment length).
+"""
+from __future__ import annotations
+
+import logging
+import socket
+
+import torch
+import torch.distributed as dist
+
+from .. import envs
+from ..compensator import CompState
+from ..config import EchoConfig
+from .qar import StepRecord, compensated_all_reduce, grad_scale
+from .reference import DistTransport
+
+log = logging.getLogger(__name__)
+
+CROSSOVER_BYTES = 1 << 20
+"""Messages smaller than this (bytes per rank) go to the reference backend; see
+docs/notes/fastpath.md for the measurement behind the value."""
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _local_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        return f"triton is not installed ({e})"
+    try:
+        from torch.distributed import _symmetric_memory as symm
+        symm.empty, symm.rendezvous  # noqa: B018
+    except (ImportError, AttributeError) as e:
+        return f"torch.distributed._symmetric_memory is unavailable ({e})"
+    if not dist.is_available() or not dist.is_initialized():
+        return "torch.distributed is not initialized"
+    return None
+
+
+def p2p_unavailable_reason(group: dist.ProcessGroup | None = None) -> str | None:
+    """None when the p2p backend can run on `group`, else why not. Cheap, and safe anywhere:
+    without CUDA/triton/symmetric memory it answers before any communication; otherwise it is
+    a collective (every rank of the group must call it) and all ranks get the same answer."""
+    reason = _local_reason()
+    if reason is not None:
+        return reason
+    world = dist.get_world_size(group)
+    if world < 2:
+        return "a group of one rank needs no all-reduce"
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" not in backend:
+        return f"process group backend {backend!r} is not NCCL"
+    dev = torch.cuda.current_device()
+    infos: list = [None] * world
+    dist.all_gather_object(infos, (socket.gethostname(), dev), group=group)
+    local = None
+    if len({h for h, _ in infos}) > 1:
+        local = "the group spans several nodes"
+    elif len({d for _, d in infos}) < world:
+        local = "two ranks share one GPU"
+    else:
+        for _, d in infos:
+            if d != dev and d < torch.cuda.device_count() \
+                    and not torch.cuda.can_device_access_peer(dev, d):
+                local = f"GPU {dev} has no peer access to GPU {d}"
+                break
+    reasons: list = [None] * world
+    dist.all_gather_object(reasons, local, group=group)
+    return next((f"rank {r}: {m}" for r, m in enumerate(reasons) if m is not None), None)
+
+
+class _Workspace:
+    """One symmetric buffer with its peer-address table and the per-call epoch counter."""
+
+    def __init__(self, lay, group, rank: int, device, err: torch.Tensor):
+        from torch.distributed import _symmetric_memory as symm
+        self.lay = lay
+        self.buf = symm.empty(lay.nbytes, dtype=torch.uint8, device=device)
+        lay.flag_words(self.buf).zero_()
+        torch.cuda.synchronize(device)
+        self.handle = symm.rendezvous(self.buf, group if group is not None else dist.group.WORLD)
+        offset = self.buf.data_ptr() - int(self.handle.buffer_ptrs[rank])
+        peers = [self.handle.get_buffer(r, (lay.nbytes,), torch.uint8, storage_offset=offset)
+                 for r in range(lay.world_size)]
+        if peers[rank].data_ptr() != self.buf.data_ptr():
+            raise RuntimeError("symmetric memory: the local view does not match the buffer")
+        self.peers = peers                            # keep the views (and mappings) alive
+        self.table = torch.tensor([p.data_ptr() for p in peers] + [err.data_ptr()],
+                                  dtype=torch.int64, device=device)
+        self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
+        dist.barrier(group=group)                     # every flag is zero before any push
+
+
+class P2PBackend:
+    """The dispatcher interface (`should_use`, `run`, `close`) over the fused kernels."""
+
+    name = "p2p"
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *,
+                 min_bytes: int = CROSSOVER_BYTES, tile_elems: int | None = None,
+                 num_warps: int = 8):
+        from ..kernels import allreduce_kernels as ak
+        from ..kernels import flags
+        self._ak, self._flags = ak, flags
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.transport = DistTransport(group)        # grad-scale MAX; record=True calls
+        self.min_bytes = min_bytes
+        self.tile_elems = tile_elems or ak.TILE_ELEMS
+        self.num_warps = num_warps
+        self.use_timer = True                         # %globaltimer; poll count if it fails
+        self._err = flags.new_error_buffer(True)
+        self._err_np = self._err.numpy()
+        self._ws: dict = {}
+        self._select_symm_backend()
+
+    def _select_symm_backend(self) -> None:
+        """Prefer torch's own CUDA backend (plain cudaMalloc/VMM + IPC, no NVSHMEM bootstrap)
+        when nothing chose a backend yet; leave an earlier choice alone."""
+        from torch.distributed import _symmetric_memory as symm
+        try:
+            if symm.get_backend(self.device) is None:
+                symm.set_backend("CUDA")
+        except Exception as e:  # noqa: BLE001 - older torch, or a backend already in use
+            log.debug("echo-tp: symmetric memory backend left as is: %s", e)
+        try:
+            self.symm_backend = symm.get_backend(self.device)
+        except Exception:  # noqa: BLE001
+            self.symm_backend = None
+
+    # ----- dispatcher interface -----
+    def should_use(self, x: torch.Tensor, cfg: EchoConfig) -> bool:
+        return (cfg.bits in (4, 8) and x.is_cuda and x.device == self.device
+                and x.dtype in DTYPES and cfg.state_dtype == "float32"
+                and x.dim() == 1 and x.is_contiguous()
+                and x.numel() * x.element_size() >= self.min_bytes)
+
+    def run(self, x: torch.Tensor, cfg: EchoConfig, *, state: CompState | None, backward: bool,
+            record: bool) -> tuple[torch.Tensor, StepRecord | None]:
+        self._raise_if_error()
+        if record:   # telemetry needs the unfused intermediates: same numbers, reference path
+            return compensated_all_reduce(x, cfg, self.transport, state=state,
+                                          backward=backward, record=True)
+        why = self._ak.supported(x, cfg, state)
+        if why is not None:
+            raise ValueError(f"p2p backend cannot run this call: {why}")
+        ws = self._workspace(x, cfg)
+        ws.epoch.add_(1)
+        fs = None
+        if backward and cfg.grad_scaling:
+            fs = grad_scale(self._ak.local_amax(x, state, cfg), self.transport)   # [1]
+        plan = self._ak.CallPlan(rank=self.rank, lay=ws.lay, cfg=cfg, x=x, state=state, fs=fs,
+                                 epoch=ws.epoch, table=ws.table,
+                                 timeout=self._flags.timeout_units(envs.flag_timeout_s(),
+                                                                   self.use_timer),
+                                 use_timer=self.use_timer, num_warps=self.num_warps)
+        y = torch.empty_like(x)
+        plan.entry()
+        self._with_timer_fallback(plan, plan.reduce)
+        self._with_timer_fallback(plan, lambda: plan.tail(y))
+        return y, None
+
+    def close(self) -> None:
+        self._ws.clear()
+
+    # ----- helpers -----
+    def _workspace(self, x: torch.Tensor, cfg: EchoConfig) -> "_Workspace":
+        spec = cfg.quant_spec()
+        lay = self._ak.Layout.build(x.numel(), self.world_size, spec, self.tile_elems)
+        key = (x.dtype, spec.bits, spec.quantizer, spec.group_size, self.world_size, lay.seg)
+        ws = self._ws.get(key)
+        if ws is None:
+            ws = self._ws[key] = _Workspace(lay, self.group, self.rank, self.device, self._err)
+        return ws
+
+    def _with_timer_fallback(self, plan, launch) -> None:
+        try:
+            launch()
+        except Exception as e:  # noqa: BLE001 - a compile failure of the %globaltimer asm
+            if not plan.use_timer:
+                raise
+            log.warning("echo-tp p2p: %%globaltimer wait failed to build (%s); counting polls",
+                        e)
+            self.use_timer = plan.use_timer = False
+            plan.timeout = self._flags.timeout_units(envs.flag_timeout_s(), False)
+            launch()
+
+    def _raise_if_error(self) -> None:
+        if self._err_np[0] != 0:
+            msg = self._flags.describe_error(self._err)
+            raise RuntimeError(msg)
+
+    def check_error(self) -> None:
+        """Synchronize the device and raise if any wait of this backend timed out."""
+        torch.cuda.synchronize(self.device)
+        self._raise_if_error()

@@ -1,0 +1,406 @@
+"""Fused compensated quantized all-reduce: the entry, reduce and tail stages as Triton kernels.
+
+Unfused equivalent: collective/qar.py `compensated_all_reduce` (same operations, same order, so
+y and the compensator state are bit-identical). Per rank r, with P ranks, segment length seg:
+
+  entry  (grid tiles x P-1)  x' = x + eta*(a*m1 + (1-a)*m2) [* 2^e]; quantize tile t of every
+         segment j != r; write it into rank j's receive slot r; signal rank j's flag recv[r][t].
+         residual 'local': m1, m2 of the sent elements are updated here with x'_j - x^_j.
+  reduce (grid tiles)        wait recv[s][t] for every sender s; acc = contrib_0 + contrib_1 + ...
+         in rank order (own contribution = x', unquantized); requantize once; write the packet
+         into every rank's gather slot r; signal gath[r][t] on every rank.
+         residual 'local': m1, m2 of the own segment are updated with s - y_own.
+  tail   (grid tiles x P)    wait gath[j][t]; decode; y = cast(y32 [/ 2^e]); residual 'output':
+         u = x' - y/P and the m1, m2 update.
+
+Every rank owns one byte buffer (`Layout`), symmetric across ranks; `table` [P+1] int64 holds the
+P buffers' addresses as seen from this rank, then the address of its error record. The same
+kernels run on P GPUs (collective/p2p.py, buffers in symmetric memory) and on P simulated ranks
+in one process (kernels/simulated_fused.py, the CPU test under TRITON_INTERPRET=1): stages
+launched in order entry(all ranks), reduce(all), tail(all) find every flag already set.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..compensator import CompState
+from ..config import CompensatorConstants, EchoConfig, QuantSpec
+from .flags import signal, wait_geq
+from .quant_kernels import (DTYPE_KIND, LAUNCH_OPTS, _cast_out, _codes, _dequant, _group_params,
+                            _load_codes, _load_f32, _store_codes, f32, spec_constexprs)
+
+TILE_ELEMS = 2048
+"""Values per tile (one program, one flag): a multiple of the group size."""
+
+
+# ----------------------------------------------------------------------------- device helpers
+
+@triton.jit
+def _x_prime(x_ptr, m1_ptr, m2_ptr, e, emask, eta, a, oma, X_KIND: tl.constexpr,
+             COMP: tl.constexpr):
+    """x' = x + (m1*a + m2*(1-a))*eta at element ids e (masked lanes 0) -> (x', m1, m2)."""
+    x = _load_f32(x_ptr + e, emask, X_KIND)
+    if COMP:
+        m1 = tl.load(m1_ptr + e, mask=emask, other=0.0)
+        m2 = tl.load(m2_ptr + e, mask=emask, other=0.0)
+        xp = x + (m1 * a + m2 * oma) * eta
+    else:
+        m1 = x
+        m2 = x
+        xp = x
+    return xp, m1, m2
+
+
+@triton.jit
+def _update(m1_ptr, m2_ptr, e, emask, m1, m2, u, b1, omb1, b2, omb2):
+    """m1 = m1*beta1 + u*(1-beta1); m2 = m2*beta2 + u*(1-beta2) at element ids e."""
+    tl.store(m1_ptr + e, m1 * b1 + u * omb1, mask=emask)
+    tl.store(m2_ptr + e, m2 * b2 + u * omb2, mask=emask)
+
+
+@triton.jit
+def _as_f32_of_out(v, X_KIND: tl.constexpr):
+    """fp32 value of cast(v) in the output dtype (what y.to(float32) reads back)."""
+    if X_KIND == 2:
+        b = v.to(tl.uint32, bitcast=True)
+        r = ((b + (0x7FFF + ((b >> 16) & 1))) >> 16) << 16
+        out = tl.where(v != v, v, r.to(tl.float32, bitcast=True))
+    elif X_KIND == 1:
+        out = v.to(tl.float16).to(tl.float32)
+    else:
+        out = v
+    return out
+
+
+@triton.jit
+def _slot(k, slot):
+    """Byte offset of slot k (int64: buffers of large messages pass 2^31 bytes)."""
+    return (tl.zeros([], tl.int64) + k) * slot
+
+
+@triton.jit
+def _buffer(table_ptr, rank):
+    """uint8* base of `rank`'s buffer (16-byte aligned)."""
+    return tl.multiple_of(tl.load(table_ptr + rank).to(tl.pointer_type(tl.uint8)), 16)
+
+
+@triton.jit
+def _store_packet(dst, scale_off, zero_off, grp, gmask, q, s16, z16, GS: tl.constexpr,
+                  BITS: tl.constexpr, BG: tl.constexpr, QUANT: tl.constexpr):
+    """Write one tile (groups grp) of a packet into the slot at dst: codes | scale | zero."""
+    _store_codes(dst, grp, q, gmask, GS, BITS, BG)
+    tl.store((dst + scale_off).to(tl.pointer_type(tl.float16)) + grp, s16, mask=gmask)
+    if QUANT != 2:
+        tl.store((dst + zero_off).to(tl.pointer_type(tl.float16)) + grp, z16, mask=gmask)
+
+
+@triton.jit
+def _decode_slot(src, scale_off, zero_off, grp, gmask, GS: tl.constexpr, BITS: tl.constexpr,
+                 BG: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr):
+    """One tile of the packet in the slot at src -> fp32 [BG, GS]."""
+    q = _load_codes(src, grp, gmask, GS, BITS, BG)
+    sf = tl.load((src + scale_off).to(tl.pointer_type(tl.float16)) + grp, mask=gmask,
+                 other=1.0, cache_modifier=".cg").to(tl.float32)
+    if QUANT == 2:
+        zf = sf
+    else:
+        zf = tl.load((src + zero_off).to(tl.pointer_type(tl.float16)) + grp, mask=gmask,
+                     other=0.0, cache_modifier=".cg").to(tl.float32)
+    return _dequant(q, sf, zf, QUANT, QMAX)
+
+
+# ----------------------------------------------------------------------------- stage kernels
+
+@triton.jit
+def amax_kernel(x_ptr, m1_ptr, m2_ptr, out_ptr, n, eta, a, oma, X_KIND: tl.constexpr,
+                COMP: tl.constexpr, BLOCK: tl.constexpr):
+    """out[pid] = max |x'| over a block (NaN counts as +inf: both make the scale factor 1)."""
+    e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    emask = e < n
+    xp, m1, m2 = _x_prime(x_ptr, m1_ptr, m2_ptr, e, emask, eta, a, oma, X_KIND, COMP)
+    inf = tl.full([BLOCK], 0x7F800000, tl.int32).to(tl.float32, bitcast=True)
+    v = tl.abs(xp)
+    v = tl.where(v != v, inf, v)
+    tl.store(out_ptr + tl.program_id(0), tl.max(tl.where(emask, v, 0.0), axis=0))
+
+
+@triton.jit
+def entry_kernel(x_ptr, m1_ptr, m2_ptr, fs_ptr, epoch_ptr, table_ptr,
+                 n, seg, groups, slot, scale_off, zero_off, flags_off, tiles,
+                 eta, a, oma, b1, omb1, b2, omb2,
+                 RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr, BG: tl.constexpr,
+                 GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
+                 LEVELS: tl.constexpr, QMAX: tl.constexpr, COMP: tl.constexpr,
+                 SCALED: tl.constexpr, LOCAL: tl.constexpr):
+    """Quantize tile t of segment j != RANK and push it to owner j (see module docstring)."""
+    t = tl.program_id(0)
+    j = (RANK + 1 + tl.program_id(1)) % P                 # destination owner, never RANK
+    grp = t * BG + tl.arange(0, BG)                        # groups of the tile in a segment [BG]
+    gmask = grp < groups
+    e = j.to(tl.int64) * seg + grp[:, None] * GS + tl.arange(0, GS)[None, :]   # [BG, GS]
+    emask = gmask[:, None] & (e < n)
+    xp, m1, m2 = _x_prime(x_ptr, m1_ptr, m2_ptr, e, emask, eta, a, oma, X_KIND, COMP)
+    if SCALED:
+        f = tl.load(fs_ptr)
+        xs = xp * f
+    else:
+        xs = xp
+    s16, sf, z16, zf, finite = _group_params(xs, QUANT, LEVELS, QMAX)
+    q = _codes(xs, sf, zf, finite, QUANT, LEVELS, QMAX)
+    peer = _buffer(table_ptr, j)
+    _store_packet(peer + _slot(RANK, slot), scale_off, zero_off, grp, gmask, q, s16, z16,
+                  GS, BITS, BG, QUANT)                     # peer j's receive slot of RANK
+    if LOCAL:
+        err = xs - _dequant(q, sf, zf, QUANT, QMAX)        # x'_j - decode(encode(x'_j))
+        if SCALED:
+            err = err * tl.math.div_rn(tl.full([], 1.0, tl.float32), f)
+        _update(m1_ptr, m2_ptr, e, emask, m1, m2, err, b1, omb1, b2, omb2)
+    flag = (peer + flags_off).to(tl.pointer_type(tl.int64)) + RANK * tiles + t
+    signal(flag, tl.load(epoch_ptr))
+
+
+@triton.jit
+def reduce_kernel(x_ptr, m1_ptr, m2_ptr, fs_ptr, epoch_ptr, table_ptr,
+                  n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
+                  eta, a, oma, b1, omb1, b2, omb2,
+                  RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr, BG: tl.constexpr,
+                  GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
+                  LEVELS: tl.constexpr, QMAX: tl.constexpr, COMP: tl.constexpr,
+                  SCALED: tl.constexpr, LOCAL: tl.constexpr, USE_TIMER: tl.constexpr):
+    """Owner sum of tile t of the own segment, requantized and pushed to every rank."""
+    t = tl.program_id(0)
+    epoch = tl.load(epoch_ptr)
+    own = _buffer(table_ptr, RANK)
+    flags = (own + flags_off).to(tl.pointer_type(tl.int64))   # recv [P][tiles], gath [P][tiles]
+    abort = flags + 2 * P * tiles
+    err_rec = tl.load(table_ptr + P).to(tl.pointer_type(tl.int64))
+    grp = t * BG + tl.arange(0, BG)
+    gmask = grp < groups
+    e = tl.full([], RANK, tl.int64) * seg + grp[:, None] * GS + tl.arange(0, GS)[None, :]
+    emask = gmask[:, None] & (e < n)
+    xp, m1, m2 = _x_prime(x_ptr, m1_ptr, m2_ptr, e, emask, eta, a, oma, X_KIND, COMP)
+    if SCALED:
+        f = tl.load(fs_ptr)
+        xs = xp * f
+    else:
+        xs = xp
+    ok = epoch == epoch
+    for r in tl.static_range(P):
+        if r != RANK:
+            ok = ok & wait_geq(flags + r * tiles + t, epoch, abort, err_rec, RANK, 1, t, r,
+                               timeout, USE_TIMER)
+    for r in tl.static_range(P):                           # acc = c_0; acc = acc + c_1; ...
+        if r == RANK:
+            v = xs
+        else:
+            v = _decode_slot(own + _slot(r, slot), scale_off, zero_off, grp, gmask, GS, BITS, BG,
+                             QUANT, QMAX)
+        if r == 0:
+            acc = v
+        else:
+            acc = acc + v
+    s16, sf, z16, zf, finite = _group_params(acc, QUANT, LEVELS, QMAX)
+    q = _codes(acc, sf, zf, finite, QUANT, LEVELS, QMAX)
+    pmask = gmask & ok
+    for i in tl.static_range(P):                           # own slot last
+        dst = _buffer(table_ptr, (RANK + 1 + i) % P) + _slot(P + RANK, slot)
+        _store_packet(dst, scale_off, zero_off, grp, pmask, q, s16, z16, GS, BITS, BG, QUANT)
+    if LOCAL:
+        y32 = _dequant(q, sf, zf, QUANT, QMAX)
+        if SCALED:
+            inv = tl.math.div_rn(tl.full([], 1.0, tl.float32), f)
+            u = acc * inv - _as_f32_of_out(y32 * inv, X_KIND)
+        else:
+            u = acc - _as_f32_of_out(y32, X_KIND)
+        _update(m1_ptr, m2_ptr, e, emask & ok, m1, m2, u, b1, omb1, b2, omb2)
+    if ok:
+        for i in tl.static_range(P):
+            peer = _buffer(table_ptr, (RANK + 1 + i) % P)
+            signal((peer + flags_off).to(tl.pointer_type(tl.int64)) + (P + RANK) * tiles + t,
+                   epoch)
+
+
+@triton.jit
+def tail_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, epoch_ptr, table_ptr,
+                n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
+                eta, a, oma, b1, omb1, b2, omb2,
+                RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr, BG: tl.constexpr,
+                GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
+                QMAX: tl.constexpr, PF: tl.constexpr, COMP: tl.constexpr,
+                SCALED: tl.constexpr,
+                OUTPUT: tl.constexpr, USE_TIMER: tl.constexpr):
+    """Decode tile t of owner j's packet into y (and the output-residual state update)."""
+    t = tl.program_id(0)
+    j = (RANK + tl.program_id(1)) % P                      # own packet first: already local
+    epoch = tl.load(epoch_ptr)
+    own = _buffer(table_ptr, RANK)
+    flags = (own + flags_off).to(tl.pointer_type(tl.int64))
+    err_rec = tl.load(table_ptr + P).to(tl.pointer_type(tl.int64))
+    ok = wait_geq(flags + (P + j) * tiles + t, epoch, flags + 2 * P * tiles, err_rec, RANK, 2, t,
+                  j, timeout, USE_TIMER)
+    grp = t * BG + tl.arange(0, BG)
+    gmask = grp < groups
+    e = j.to(tl.int64) * seg + grp[:, None] * GS + tl.arange(0, GS)[None, :]
+    emask = gmask[:, None] & (e < n) & ok
+    y32 = _decode_slot(own + _slot(P + j, slot), scale_off, zero_off, grp, gmask, GS, BITS, BG,
+                       QUANT, QMAX)
+    if SCALED:
+        y32 = y32 * tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.load(fs_ptr))
+    tl.store(y_ptr + e, _cast_out(y32, X_KIND), mask=emask)
+    if OUTPUT:
+        xp, m1, m2 = _x_prime(x_ptr, m1_ptr, m2_ptr, e, emask, eta, a, oma, X_KIND, COMP)
+        yf = _as_f32_of_out(y32, X_KIND)
+        u = xp - tl.math.div_rn(yf, tl.full(yf.shape, PF, tl.float32))   # x' - y/P
+        _update(m1_ptr, m2_ptr, e, emask, m1, m2, u, b1, omb1, b2, omb2)
+
+
+# ----------------------------------------------------------------------------- host side
+
+def _align(v: int, a: int) -> int:
+    return -(-v // a) * a
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One rank's buffer: receive slots [P(sender)], gather slots [P(owner)], then int64 flags
+    recv [P][tiles], gath [P][tiles] and the abort word. A slot holds one segment packet:
+    codes at 0, fp16 scales at scale_off, fp16 zeros at zero_off (16-byte aligned regions)."""
+
+    world_size: int
+    seg: int
+    groups: int
+    bg: int
+    tiles: int
+    slot: int
+    scale_off: int
+    zero_off: int
+    flags_off: int
+    nbytes: int
+
+    @classmethod
+    def build(cls, numel: int, world_size: int, spec: QuantSpec,
+              tile_elems: int = TILE_ELEMS) -> "Layout":
+        g = spec.group_size
+        seg = -(-numel // (world_size * g)) * g              # qar.segment_len
+        groups = seg // g
+        bg = max(1, tile_elems // g)
+        if bg & (bg - 1):
+            raise ValueError(f"tile_elems {tile_elems} / group_size {g} must be a power of two")
+        tiles = -(-groups // bg)
+        scale_off = _align(seg * spec.bits // 8, 16)
+        zero_off = scale_off + _align(2 * groups, 16)
+        end = zero_off + (_align(2 * groups, 16) if spec.has_zero else 0)
+        slot = _align(end, 256)
+        flags_off = 2 * world_size * slot
+        nbytes = flags_off + 8 * _align(2 * world_size * tiles + 1, 32)
+        return cls(world_size, seg, groups, bg, tiles, slot, scale_off, zero_off, flags_off,
+                   nbytes)
+
+    def flag_words(self, buf: torch.Tensor) -> torch.Tensor:
+        """The int64 flag words (recv, gath, abort) of a rank's uint8 buffer."""
+        return buf[self.flags_off:self.nbytes].view(torch.int64)
+
+    def packet(self, buf: torch.Tensor, region: int, idx: int, spec: QuantSpec):
+        """(codes, scale, zero) views of slot idx of region 0 (receive) or 1 (gather)."""
+        base = (region * self.world_size + idx) * self.slot
+        codes = buf[base:base + self.seg * spec.bits // 8]
+        scale = buf[base + self.scale_off:base + self.scale_off + 2 * self.groups]
+        zero = buf[base + self.zero_off:base + self.zero_off + 2 * self.groups] \
+            if spec.has_zero else None
+        return codes, scale.view(torch.float16), None if zero is None else zero.view(torch.float16)
+
+
+@dataclass
+class CallPlan:
+    """Everything one rank's three launches of one call need (built per call, no device sync)."""
+
+    rank: int
+    lay: Layout
+    cfg: EchoConfig
+    x: torch.Tensor               # [n] bf16/fp16/fp32, contiguous
+    state: CompState | None       # m1, m2 fp32 [n], updated in place
+    fs: torch.Tensor | None       # [1] fp32 backward scale factor 2^e, or None
+    epoch: torch.Tensor           # [1] int64, already bumped for this call
+    table: torch.Tensor           # [P+1] int64: the P buffers, then the error record
+    timeout: int
+    use_timer: bool
+    num_warps: int = 4
+
+    def _common(self):
+        cfg, lay, x = self.cfg, self.lay, self.x
+        spec = cfg.quant_spec()
+        k = CompensatorConstants.from_config(cfg)
+        st = self.state
+        m1 = st.m1 if st is not None else x
+        m2 = st.m2 if st is not None else x
+        args = (x, m1, m2)
+        scal = (x.numel(), lay.seg, lay.groups, lay.slot, lay.scale_off, lay.zero_off,
+                lay.flags_off, lay.tiles)
+        consts = (k.eta, k.a, k.one_minus_a, k.beta1, k.one_minus_beta1, k.beta2,
+                  k.one_minus_beta2)
+        ce = spec_constexprs(spec)
+        meta = dict(RANK=self.rank, P=lay.world_size, X_KIND=DTYPE_KIND[x.dtype], BG=lay.bg,
+                    GS=ce["GS"], BITS=ce["BITS"], QUANT=ce["QUANT"], QMAX=ce["QMAX"],
+                    COMP=st is not None, SCALED=self.fs is not None)
+        return args, scal, consts, ce, meta
+
+    def _fs(self):
+        return self.fs if self.fs is not None else self.epoch
+
+    def entry(self) -> None:
+        if self.lay.world_size == 1:
+            return
+        args, scal, consts, ce, meta = self._common()
+        entry_kernel[(self.lay.tiles, self.lay.world_size - 1)](
+            *args, self._fs(), self.epoch, self.table, *scal, *consts, **meta,
+            LEVELS=ce["LEVELS"],
+            LOCAL=self.state is not None and self.cfg.residual == "local",
+            num_warps=self.num_warps, **LAUNCH_OPTS)
+
+    def reduce(self) -> None:
+        args, scal, consts, ce, meta = self._common()
+        reduce_kernel[(self.lay.tiles,)](
+            *args, self._fs(), self.epoch, self.table, *scal, self.timeout, *consts, **meta,
+            LEVELS=ce["LEVELS"],
+            LOCAL=self.state is not None and self.cfg.residual == "local",
+            USE_TIMER=self.use_timer, num_warps=self.num_warps, **LAUNCH_OPTS)
+
+    def tail(self, y: torch.Tensor) -> None:
+        args, scal, consts, ce, meta = self._common()
+        P = self.lay.world_size
+        tail_kernel[(self.lay.tiles, P)](
+            *args, y, self._fs(), self.epoch, self.table, *scal, self.timeout, *consts, **meta,
+            PF=float(P),
+            OUTPUT=self.state is not None and self.cfg.residual == "output",
+            USE_TIMER=self.use_timer, num_warps=self.num_warps, **LAUNCH_OPTS)
+
+
+def local_amax(x: torch.Tensor, state: CompState | None, cfg: EchoConfig,
+               block: int = 4096) -> torch.Tensor:
+    """Per-block max |x'| of x' = x + c, fp32 [blocks] (feeds qar.grad_scale unchanged)."""
+    k = CompensatorConstants.from_config(cfg)
+    n = x.numel()
+    out = torch.empty(max(1, triton.cdiv(n, block)), dtype=torch.float32, device=x.device)
+    m1 = state.m1 if state is not None else x
+    m2 = state.m2 if state is not None else x
+    amax_kernel[(out.numel(),)](x, m1, m2, out, n, k.eta, k.a, k.one_minus_a,
+                                X_KIND=DTYPE_KIND[x.dtype], COMP=state is not None, BLOCK=block,
+                                **LAUNCH_OPTS)
+    return out
+
+
+def supported(x: torch.Tensor, cfg: EchoConfig, state: CompState | None = None) -> str | None:
+    """Why the fused kernels cannot run this call (None when they can)."""
+    if not cfg.quantized:
+        return "bits=16 is the plain all-reduce"
+    if x.dtype not in DTYPE_KIND:
+        return f"dtype {x.dtype} is not bf16/fp16/fp32"
+    if cfg.state_dtype != "float32" or (state is not None and state.m1.dtype != torch.float32):
+        return "compensator state must be fp32"
+    if x.dim() != 1 or not x.is_contiguous():
+        return "input must be a contiguous 1-D tensor"
+    return None

@@ -1,0 +1,105 @@
+"""Cross-GPU readiness flags: release-signal, acquire-wait with a bounded spin, error records.
+
+Flags are int64 words in a rank's symmetric buffer whose values only grow: call k of a
+workspace writes and waits for the value k (the epoch, a device counter the host bumps with one
+`add_` per call, so CUDA-graph replays advance it too). A flag is never cleared, so no stage
+ever has to reset one, and a stale value from call k-1 can never satisfy call k.
+
+    signal(ptr, epoch)   after a CTA barrier: one thread stores epoch with release, system scope
+    wait_geq(ptr, epoch) one thread polls with acquire loads (atomic add of 0, system scope)
+                         until the flag reaches epoch, the deadline passes, or the rank's abort
+                         word is set; returns False on timeout, after writing the error record
+
+Error record: int64 words at an address the host can read without a device sync (pinned host
+memory, reached through unified addressing): [set, rank, stage, tile, peer, seen, wanted].
+The rank's abort word (device memory) is claimed with a CAS, so one record is written and every
+other wait of that rank stops at once; the host raises at its next call (`check_error`).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+ERR_WORDS = 8
+STAGES = {1: "reduce: waiting for a sender's segment packet",
+          2: "tail: waiting for an owner's reduced packet"}
+POLL_NS = 500
+"""Assumed cost of one poll when %globaltimer is not used: the timeout becomes a poll count."""
+
+
+@triton.jit
+def _now(USE_TIMER: tl.constexpr):
+    """%globaltimer in ns (0 when USE_TIMER is off: the caller counts polls instead)."""
+    if USE_TIMER:
+        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                      is_pure=False, pack=1)
+    else:
+        t = tl.full([], 0, tl.int64)
+    return t
+
+
+@triton.jit
+def signal(flag_ptr, value):
+    """Make this CTA's earlier stores visible, then set *flag_ptr = value (release, system)."""
+    tl.debug_barrier()
+    tl.atomic_xchg(flag_ptr, value, sem="release", scope="sys")
+
+
+@triton.jit
+def wait_geq(flag_ptr, wanted, abort_ptr, err_ptr, rank, stage, tile, peer, timeout,
+             USE_TIMER: tl.constexpr):
+    """Spin until *flag_ptr >= wanted. Returns a scalar bool: False after `timeout` (ns with
+    USE_TIMER, else polls) or once this rank aborted; the first timeout writes the record."""
+    seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+    start = _now(USE_TIMER)
+    spins = tl.full([], 0, tl.int64)
+    go = seen < wanted
+    while go:
+        seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+        spins += 1
+        if USE_TIMER:
+            elapsed = _now(USE_TIMER) - start
+        else:
+            elapsed = spins
+        aborted = tl.load(abort_ptr, volatile=True)
+        go = (seen < wanted) & (elapsed < timeout) & (aborted == 0)
+    ok = seen >= wanted
+    if seen < wanted:
+        zero64 = tl.zeros([], tl.int64)
+        first = tl.atomic_cas(abort_ptr, zero64, zero64 + 1, sem="relaxed", scope="gpu")
+        if first == 0:
+            tl.store(err_ptr + 1, zero64 + rank)
+            tl.store(err_ptr + 2, zero64 + stage)
+            tl.store(err_ptr + 3, zero64 + tile)
+            tl.store(err_ptr + 4, zero64 + peer)
+            tl.store(err_ptr + 5, zero64 + seen)
+            tl.store(err_ptr + 6, zero64 + wanted)
+            tl.debug_barrier()
+            tl.atomic_xchg(err_ptr, zero64 + 1, sem="release", scope="sys")
+    tl.debug_barrier()
+    return ok
+
+
+def timeout_units(timeout_s: float, use_timer: bool) -> int:
+    """ECHO_FLAG_TIMEOUT_S -> the `timeout` argument of wait_geq (ns, or a poll count)."""
+    return int(timeout_s * 1e9) if use_timer else max(1, int(timeout_s * 1e9 / POLL_NS))
+
+
+def new_error_buffer(device_is_cuda: bool) -> torch.Tensor:
+    """Zeroed int64 [ERR_WORDS] the kernels write and the host reads without a device sync:
+    pinned (device-addressable) host memory when CUDA is used, plain CPU memory otherwise."""
+    return torch.zeros(ERR_WORDS, dtype=torch.int64, pin_memory=device_is_cuda)
+
+
+def describe_error(err: torch.Tensor) -> str | None:
+    """The host-readable error record -> a message, or None when no wait timed out."""
+    if int(err[0]) == 0:
+        return None
+    rank, stage, tile, peer, seen, wanted = (int(v) for v in err[1:7])
+    what = STAGES.get(stage, f"stage {stage}")
+    return (f"echo-tp p2p: rank {rank} timed out in stage {stage} ({what}) on tile {tile}, "
+            f"peer {peer}: flag is {seen}, wanted {wanted}. A peer rank is stalled, crashed, or "
+            f"called the collective with a different size/config; raise ECHO_FLAG_TIMEOUT_S if "
+            f"the peers are merely slow. The p2p workspace is unusable now: rebuild the "
+            f"communicator.")

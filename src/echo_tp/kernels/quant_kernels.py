@@ -1,0 +1,286 @@
+"""Triton group quantizer and dequantizer, bit-exact with the torch reference (quant.py).
+
+Device helpers (`_rint`, `_group_params`, `_codes`, `_dequant`, packing, dtype casts) are shared
+by the fused all-reduce kernels (allreduce_kernels.py); `quantize_kernel` / `dequantize_kernel`
+with their host wrappers `encode` / `decode` are the standalone form, tested against
+quant.encode / quant.decode on fresh random inputs (tests/test_kernels.py).
+
+Exactness rules every helper follows (quant.py's docstring is the authority):
+  * one fp32 rounding per operation: kernels launch with enable_fp_fusion=False (no FMA);
+    tensor/tensor divisions use tl.math.div_rn (IEEE), never Triton's approximate `/`;
+  * rint is round-half-to-even, computed with the 2^23 trick (exact for |v| < 2^23; larger
+    values are integers already), because libdevice is unavailable under TRITON_INTERPRET;
+  * fp32 -> bf16 / bf16 -> fp32 use integer bit operations (RNE), because the interpreter
+    truncates instead of rounding; fp16 conversions use tl's RNE casts;
+  * negation is `v * -1.0` (Triton's unary minus is `0 - v`, which loses the sign of zero);
+  * NaN/Inf groups: scale and zero are the canonical fp16 NaN 0x7E00 (torch's NaN bit pattern
+    depends on the device and the input NaN; only NaN-ness is part of the contract), codes 0.
+  * quant.py divides by 0-dim tensors (IEEE on every device; torch on CUDA would turn a Python
+    scalar divisor into a reciprocal multiply), so every division here is div_rn too.
+"""
+from __future__ import annotations
+
+import struct
+
+import torch
+import triton
+import triton.language as tl
+
+from ..config import QuantSpec
+from ..quant import Packet
+
+ZERO_AWARE, NAIVE, SYMMETRIC = 0, 1, 2
+QUANT_CODE = {"zero_aware": ZERO_AWARE, "naive": NAIVE, "symmetric": SYMMETRIC}
+KIND_F32, KIND_F16, KIND_BF16 = 0, 1, 2
+DTYPE_KIND = {torch.float32: KIND_F32, torch.float16: KIND_F16, torch.bfloat16: KIND_BF16}
+LAUNCH_OPTS = dict(enable_fp_fusion=False)
+"""Every kernel of this package launches with these options (no FMA contraction)."""
+
+
+def f32(v: float) -> float:
+    """v rounded to the nearest fp32 value (as a Python float)."""
+    return struct.unpack("f", struct.pack("f", v))[0]
+
+
+def spec_constexprs(spec: QuantSpec) -> dict:
+    """The quantizer's compile-time constants for a spec."""
+    return dict(BITS=spec.bits, QUANT=QUANT_CODE[spec.quantizer], GS=spec.group_size,
+                LEVELS=float(spec.levels), QMAX=float(spec.qmax))
+
+
+# ----------------------------------------------------------------------------- device helpers
+
+@triton.jit
+def _rint(v):
+    """Round half to even, fp32 -> fp32 (sign of zero kept; NaN/Inf pass through)."""
+    a = tl.abs(v)
+    r = (a + 8388608.0) - 8388608.0          # 2^23: the sum's ulp is 1, so RNE rounds a
+    r = tl.where(a < 8388608.0, r, a)         # |v| >= 2^23 is already an integer (or NaN/Inf)
+    sign = v.to(tl.uint32, bitcast=True) & 0x80000000
+    return (r.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _div(a, DEN: tl.constexpr):
+    """a / DEN, IEEE round-to-nearest (torch's tensor / 0-dim tensor on any device)."""
+    return tl.math.div_rn(a, tl.full(a.shape, DEN, tl.float32))
+
+
+@triton.jit
+def _load_f32(ptr, mask, X_KIND: tl.constexpr):
+    """Load fp32/fp16/bf16 values as fp32 (masked lanes read 0.0), exactly."""
+    if X_KIND == 2:
+        h = tl.load(ptr, mask=mask, other=0.0).to(tl.uint16, bitcast=True)
+        v = (h.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        v = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _cast_out(v, X_KIND: tl.constexpr):
+    """fp32 -> the output dtype, round to nearest even (bf16 by bit arithmetic)."""
+    if X_KIND == 2:
+        b = v.to(tl.uint32, bitcast=True)
+        r = (b + (0x7FFF + ((b >> 16) & 1))) >> 16
+        r = tl.where(v != v, 0x7FC0, r)
+        out = r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    elif X_KIND == 1:
+        out = v.to(tl.float16)
+    else:
+        out = v
+    return out
+
+
+@triton.jit
+def _nan16(like):
+    """The canonical fp16 NaN (0x7E00) broadcast to like's shape."""
+    return (tl.zeros_like(like).to(tl.int16) + 0x7E00).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _group_params(x, QUANT: tl.constexpr, LEVELS: tl.constexpr, QMAX: tl.constexpr,
+):
+    """x fp32 [BG, GS] -> (s16 [BG] fp16, sf [BG] fp32, z16 [BG] fp16, zf [BG] fp32,
+    finite [BG] bool, d [BG]); the zero outputs are unused for the symmetric policy."""
+    finite = tl.min((tl.abs(x) <= 3.4028234663852886e38).to(tl.int32), axis=1) > 0
+    lo = tl.min(x, axis=1)
+    hi = tl.max(x, axis=1)
+    d = tl.maximum(tl.maximum(lo, hi * -1.0), 0.0)    # distance from 0 to [lo, hi]
+    if QUANT == 2:
+        amax = tl.maximum(tl.abs(lo), tl.abs(hi))
+        s = _div(amax, QMAX)
+    else:
+        s = _div(hi - lo, LEVELS)
+        s = tl.maximum(s, d * 0.00390625)              # d / Z_MAX, Z_MAX = 256 (exact)
+    s = tl.where(lo == hi, tl.abs(lo), s)              # constant group: s = |v|
+    s = tl.where(s == 0.0, 1.0, s)                     # all-zero group
+    s = tl.minimum(tl.maximum(s, 5.9604644775390625e-08), 65504.0)   # [2^-24, fp16 max]
+    s = tl.where(finite, s, 1.0)
+    s16 = s.to(tl.float16)
+    bumped = (s16.to(tl.int16, bitcast=True) + 1).to(tl.int16).to(tl.float16, bitcast=True)
+    s16 = tl.where(s16.to(tl.float32) < s, bumped, s16)   # round UP to fp16
+    sf = s16.to(tl.float32)
+    if QUANT == 2:
+        z16 = s16
+    else:
+        zn = tl.math.div_rn(lo * -1.0, sf)             # z_naive = -lo / s
+        if QUANT == 0:
+            lam = 1.0 - tl.math.div_rn(d, sf)
+            lam = tl.minimum(tl.maximum(lam, 0.0), 1.0)
+            z = zn + lam * (_rint(zn) - zn)
+        else:
+            z = zn
+        z = z + 0.0                                     # -0.0 -> +0.0, as quant.py
+        z16 = tl.minimum(tl.maximum(z, -65504.0), 65504.0).to(tl.float16)
+        z16 = tl.where(finite, z16, _nan16(z16))
+    s16 = tl.where(finite, s16, _nan16(s16))
+    return s16, s16.to(tl.float32), z16, z16.to(tl.float32), finite
+
+
+@triton.jit
+def _codes(x, sf, zf, finite, QUANT: tl.constexpr, LEVELS: tl.constexpr, QMAX: tl.constexpr):
+    """x fp32 [BG, GS] with fp32 params [BG] -> codes uint8 [BG, GS] (0 in non-finite groups)."""
+    v = tl.math.div_rn(x, sf[:, None])
+    if QUANT == 2:
+        q = tl.minimum(tl.maximum(_rint(v), QMAX * -1.0), QMAX) + (QMAX + 1.0)
+    else:
+        q = tl.minimum(tl.maximum(_rint(v + zf[:, None]), 0.0), LEVELS)
+    q = tl.where(finite[:, None], q, 0.0)
+    return q.to(tl.uint8)
+
+
+@triton.jit
+def _dequant(q, sf, zf, QUANT: tl.constexpr, QMAX: tl.constexpr):
+    """codes uint8 [BG, GS], fp32 params [BG] -> fp32 [BG, GS]: s * (q - z)."""
+    qf = q.to(tl.float32)
+    if QUANT == 2:
+        out = sf[:, None] * (qf - (QMAX + 1.0))
+    else:
+        out = sf[:, None] * (qf - zf[:, None])
+    return out
+
+
+@triton.jit
+def _store_codes(ptr, grp, q, mask, GS: tl.constexpr, BITS: tl.constexpr, BG: tl.constexpr):
+    """Write codes [BG, GS] of groups grp [BG] at ptr (uint8*, group-major; 4-bit packed)."""
+    if BITS == 4:
+        lo, hi = tl.split(tl.reshape(q, (BG, GS // 2, 2)))
+        packed = (lo | (hi << 4)).to(tl.uint8)
+        offs = grp[:, None] * (GS // 2) + tl.arange(0, GS // 2)[None, :]
+        tl.store(ptr + offs, packed, mask=mask[:, None])
+    else:
+        offs = grp[:, None] * GS + tl.arange(0, GS)[None, :]
+        tl.store(ptr + offs, q, mask=mask[:, None])
+
+
+@triton.jit
+def _load_codes(ptr, grp, mask, GS: tl.constexpr, BITS: tl.constexpr, BG: tl.constexpr):
+    """Read codes [BG, GS] uint8 of groups grp [BG] from ptr (inverse of _store_codes)."""
+    if BITS == 4:
+        offs = grp[:, None] * (GS // 2) + tl.arange(0, GS // 2)[None, :]
+        p = tl.load(ptr + offs, mask=mask[:, None], other=0, cache_modifier=".cg")
+        q = tl.reshape(tl.join(p & 0xF, p >> 4), (BG, GS))
+    else:
+        offs = grp[:, None] * GS + tl.arange(0, GS)[None, :]
+        q = tl.load(ptr + offs, mask=mask[:, None], other=0, cache_modifier=".cg")
+    return q
+
+
+@triton.jit
+def _load_params(scale_ptr, zero_ptr, grp, mask, QUANT: tl.constexpr):
+    """fp16 scale (and zero) of groups grp [BG] -> fp32 (sf, zf)."""
+    sf = tl.load(scale_ptr + grp, mask=mask, other=1.0, cache_modifier=".cg").to(tl.float32)
+    if QUANT == 2:
+        zf = sf
+    else:
+        zf = tl.load(zero_ptr + grp, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    return sf, zf
+
+
+# ----------------------------------------------------------------------------- standalone kernels
+
+@triton.jit
+def quantize_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, n_groups,
+                    X_KIND: tl.constexpr, BG: tl.constexpr, GS: tl.constexpr,
+                    BITS: tl.constexpr, QUANT: tl.constexpr, LEVELS: tl.constexpr,
+                    QMAX: tl.constexpr):
+    """x [n_groups*GS] -> codes (packed at 4 bits), fp16 scale [n_groups], zero [n_groups]."""
+    grp = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG)     # group ids [BG]
+    gmask = grp < n_groups
+    offs = grp[:, None] * GS + tl.arange(0, GS)[None, :]            # element ids [BG, GS]
+    x = _load_f32(x_ptr + offs, gmask[:, None], X_KIND)
+    s16, sf, z16, zf, finite = _group_params(x, QUANT, LEVELS, QMAX)
+    q = _codes(x, sf, zf, finite, QUANT, LEVELS, QMAX)
+    _store_codes(codes_ptr, grp, q, gmask, GS, BITS, BG)
+    tl.store(scale_ptr + grp, s16, mask=gmask)
+    if QUANT != 2:
+        tl.store(zero_ptr + grp, z16, mask=gmask)
+
+
+@triton.jit
+def dequantize_kernel(codes_ptr, scale_ptr, zero_ptr, out_ptr, n_groups,
+                      BG: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr,
+                      QUANT: tl.constexpr, QMAX: tl.constexpr):
+    """codes, fp16 scale/zero -> fp32 out [n_groups*GS] = s * (q - z)."""
+    grp = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG)
+    gmask = grp < n_groups
+    q = _load_codes(codes_ptr, grp, gmask, GS, BITS, BG)
+    sf, zf = _load_params(scale_ptr, zero_ptr, grp, gmask, QUANT)
+    offs = grp[:, None] * GS + tl.arange(0, GS)[None, :]
+    tl.store(out_ptr + offs, _dequant(q, sf, zf, QUANT, QMAX), mask=gmask[:, None])
+
+
+# ----------------------------------------------------------------------------- host wrappers
+
+def _block_groups(group_size: int) -> int:
+    """Groups per program: about 2048 values a program."""
+    return max(1, 2048 // group_size)
+
+
+def encode(x: torch.Tensor, spec: QuantSpec) -> Packet:
+    """x [..., n] (n a multiple of g; fp32/fp16/bf16) -> Packet, byte-identical to quant.encode
+    (NaN parameters canonical)."""
+    if x.dtype not in DTYPE_KIND:
+        raise ValueError(f"encode supports {list(DTYPE_KIND)}, got {x.dtype}")
+    n = x.shape[-1] if x.dim() else 1
+    if x.dim() == 0 or n % spec.group_size:
+        raise ValueError(f"last dim {n} is not a multiple of group_size {spec.group_size}")
+    lead = x.shape[:-1]
+    xf = x.contiguous().reshape(-1)
+    n_groups = xf.numel() // spec.group_size
+    codes = torch.empty(xf.numel() * spec.bits // 8, dtype=torch.uint8, device=x.device)
+    scale = torch.empty(n_groups, dtype=torch.float16, device=x.device)
+    zero = torch.empty(n_groups, dtype=torch.float16, device=x.device) if spec.has_zero else None
+    bg = _block_groups(spec.group_size)
+    if n_groups:
+        quantize_kernel[(triton.cdiv(n_groups, bg),)](
+            xf, codes, scale, zero if zero is not None else scale, n_groups,
+            X_KIND=DTYPE_KIND[x.dtype], BG=bg,
+            **spec_constexprs(spec), **LAUNCH_OPTS)
+    g_lead = n // spec.group_size
+    return Packet(codes.reshape(*lead, n * spec.bits // 8), scale.reshape(*lead, g_lead),
+                  zero.reshape(*lead, g_lead) if zero is not None else None)
+
+
+def decode(packet: Packet, spec: QuantSpec) -> torch.Tensor:
+    """Packet -> fp32 [..., n], identical to quant.decode."""
+    codes, scale = packet.codes.contiguous(), packet.scale.contiguous()
+    if spec.has_zero and packet.zero is None:
+        raise ValueError(f"quantizer {spec.quantizer!r} needs a zero-point in the packet")
+    zero = packet.zero.contiguous() if spec.has_zero else scale
+    groups = scale.shape[-1]
+    n = groups * spec.group_size
+    lead = scale.shape[:-1]
+    n_groups = scale.numel()
+    if codes.numel() != n_groups * spec.group_size * spec.bits // 8:
+        raise ValueError(f"codes hold {codes.numel()} bytes, expected "
+                         f"{n_groups * spec.group_size * spec.bits // 8} for {n_groups} groups")
+    out = torch.empty(*lead, n, dtype=torch.float32, device=codes.device)
+    bg = _block_groups(spec.group_size)
+    if n_groups:
+        k = spec_constexprs(spec)
+        dequantize_kernel[(triton.cdiv(n_groups, bg),)](
+            codes, scale, zero, out, n_groups, BG=bg, GS=k["GS"], BITS=k["BITS"],
+            QUANT=k["QUANT"], QMAX=k["QMAX"], **LAUNCH_OPTS)
+    return out

@@ -1,0 +1,274 @@
+"""Triton kernels against the pure-torch reference, on the CPU under TRITON_INTERPRET=1.
+
+Compared, bit for bit, on fresh random inputs (several seeds):
+  * kernels.quant_kernels.encode / decode  vs  quant.encode / quant.decode: codes, fp16 scales,
+    fp16 zeros, decoded fp32 values; bits 4/8, all three policies, group sizes 8/128/256,
+    bf16/fp16/fp32 inputs, odd group counts, outlier channels, constant / all-zero / far-from-zero
+    / integer / tiny (subnormal-scale) / huge (saturating) groups, NaN and Inf groups.
+  * kernels.allreduce_kernels.SimulatedFused (entry -> reduce -> tail kernels over P per-rank
+    buffers, flags included)  vs  collective.qar.compensated_all_reduce over SimTransport:
+    y, m1, m2 after consecutive calls; both residual modes, bits 4/8, policies, bf16/fp16/fp32,
+    P = 2/3/4, with and without backward power-of-two scaling.
+  * the same kernels with P ranks in P concurrent processes sharing their buffers (as symmetric
+    memory does), calls back to back with one rank pushing late and another reducing late: the
+    flag protocol must make every wait see its peer's data (a wait that accepts a stale epoch
+    fails this test).
+One tolerance, about bits that carry no value: NaN bit patterns (torch's NaN payload depends on
+the device and on the input NaN), so NaN-ness must match position by position. Zero-points are
+canonical (+0.0, both sides add 0.0 before the fp16 cast). Everything else matches bit for bit.
+
+When a case fails, look first at: the row printed by the assertion (which group differs);
+quant.py's docstring (the edge-case rules) against quant_kernels._group_params; a division that
+is not tl.math.div_rn (Triton's `/` is approximate); an FMA (every launch passes
+LAUNCH_OPTS = enable_fp_fusion=False); the interpreter's own casts (fp32 -> bf16 truncates under
+TRITON_INTERPRET, which is why the kernels cast bf16 by bit arithmetic). For the fused test:
+the rank-order sum in reduce_kernel and the residual formulas in qar._local_residual.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import time
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton.jit decorates anything
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from echo_tp import quant  # noqa: E402
+from echo_tp.collective.qar import compensated_all_reduce  # noqa: E402
+from echo_tp.collective.simulated import SimTransport  # noqa: E402
+from echo_tp.compensator import CompState  # noqa: E402
+from echo_tp.config import EchoConfig, QuantSpec  # noqa: E402
+
+for _name in ("echo_tp.kernels.flags", "echo_tp.kernels.quant_kernels",
+              "echo_tp.kernels.allreduce_kernels", "echo_tp.kernels.simulated_fused"):
+    if _name in sys.modules:          # imported earlier without the interpreter: rebuild
+        importlib.reload(sys.modules[_name])
+from echo_tp.kernels import allreduce_kernels as ak  # noqa: E402
+from echo_tp.kernels import quant_kernels as qk  # noqa: E402
+from echo_tp.kernels import simulated_fused as sf  # noqa: E402
+from echo_tp.kernels.flags import describe_error  # noqa: E402
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on NaN/Inf lanes
+
+
+def adversarial(rows: int, groups: int, g: int, dtype, seed: int, nonfinite: bool = True):
+    """[rows, groups*g] values, one random 'kind' of group each (see module docstring)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, groups, g, generator=gen)
+    x = x * torch.exp(torch.randn(rows, groups, 1, generator=gen) * 3)     # group magnitudes
+    x[..., 3] *= 50.0                                                       # outlier channel
+    kinds = torch.randint(0, 11 if nonfinite else 9, (rows, groups), generator=gen)
+    pos = torch.randint(0, g, (rows, groups), generator=gen)
+    for r in range(rows):
+        for j in range(groups):
+            k, v = int(kinds[r, j]), x[r, j]
+            if k == 1:
+                v.fill_(float(torch.randn(1, generator=gen)) * 3)           # constant
+            elif k == 2:
+                v.zero_()
+                if r % 2:
+                    v.neg_()                                                 # -0.0
+            elif k == 3:
+                v.mul_(1e-2).add_(1.0e4 * (1 if j % 2 else -1))              # far from zero
+            elif k == 4:
+                v.mul_(1e-33)                                                # tiny steps
+            elif k == 5:
+                v.mul_(1e36)                                                 # saturating steps
+            elif k == 6:
+                v.copy_(torch.randint(-8, 9, (g,), generator=gen).float())  # exact integers
+            elif k == 7:
+                v.copy_(torch.where(torch.rand(g, generator=gen) < 0.5, 0.25, -1.5))
+            elif k == 8:
+                v.mul_(1e-5)
+            elif k == 9:
+                v[int(pos[r, j])] = float("nan")
+            elif k == 10:
+                v[int(pos[r, j])] = float("inf") if j % 2 else -float("inf")
+    return x.reshape(rows, groups * g).to(dtype)
+
+
+def assert_bits_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Equal bit patterns, except that any NaN matches any NaN (module docstring)."""
+    assert got.dtype == want.dtype and got.shape == want.shape, (what, got.shape, want.shape)
+    if got.is_floating_point():
+        gn, wn = got.isnan(), want.isnan()
+        bad = gn != wn
+        ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[got.element_size()]
+        bad |= ~gn & ~wn & (got.view(ints) != want.view(ints))
+    else:
+        bad = got != want
+    if bad.any():
+        idx = bad.nonzero()[0].tolist()
+        pytest.fail(f"{what}: {int(bad.sum())} of {bad.numel()} differ, first at {idx}: "
+                    f"got {got[tuple(idx)].item()!r}, want {want[tuple(idx)].item()!r}")
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("quantizer", ["zero_aware", "naive", "symmetric"])
+@pytest.mark.parametrize("g", [8, 128, 256])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_encode_decode_bit_exact(bits, quantizer, g, dtype):
+    spec = QuantSpec(bits=bits, group_size=g, quantizer=quantizer)
+    for seed, (rows, groups) in enumerate([(3, 7), (1, 13), (2, 4)]):
+        x = adversarial(rows, groups, g, dtype, seed=1000 * bits + 10 * g + seed)
+        got, want = qk.encode(x, spec), quant.encode(x, spec)
+        assert_bits_equal(got.codes, want.codes, f"codes seed={seed}")
+        assert_bits_equal(got.scale, want.scale, f"scale seed={seed}")
+        if spec.has_zero:
+            assert_bits_equal(got.zero, want.zero, f"zero seed={seed}")
+        else:
+            assert got.zero is None
+        assert_bits_equal(qk.decode(got, spec), quant.decode(want, spec), f"decoded seed={seed}")
+
+
+def test_encode_shapes_and_errors():
+    spec = QuantSpec(bits=4, group_size=128)
+    x = torch.randn(2, 3, 256)
+    p = qk.encode(x, spec)
+    assert p.codes.shape == (2, 3, 128) and p.scale.shape == (2, 3, 2)
+    assert qk.decode(p, spec).shape == (2, 3, 256)
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        qk.encode(torch.randn(100), spec)
+    with pytest.raises(ValueError, match="supports"):
+        qk.encode(torch.randn(128, dtype=torch.float64), spec)
+
+
+# (P, bits, quantizer, residual, dtype, backward): every bits x policy x residual at P=4, the
+# other ranks counts, dtypes and scalings spread over the rest.
+FUSED_CASES = [(4, b, q, r, torch.bfloat16 if (b + i) % 2 else torch.float16, i % 2 == 1)
+               for i, (b, q, r) in enumerate((b, q, r) for b in (4, 8)
+                                             for q in ("zero_aware", "naive", "symmetric")
+                                             for r in ("output", "local"))]
+FUSED_CASES += [(2, 4, "zero_aware", "output", torch.bfloat16, True),
+                (2, 8, "symmetric", "local", torch.float32, False),
+                (3, 4, "zero_aware", "local", torch.bfloat16, True),
+                (3, 4, "naive", "output", torch.float16, False)]
+
+
+def _fused_input(P, n, dtype, seed, scale):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(P, n, generator=gen) * scale
+    x[:, 5::97] *= 40.0                                             # outlier channels
+    x[:, 256:384] = 0.0                                             # an all-zero stretch
+    x[:, 512:640] = 3.0                                             # a constant stretch
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("P,bits,quantizer,residual,dtype,backward", FUSED_CASES, ids=str)
+def test_fused_allreduce_matches_reference(P, bits, quantizer, residual, dtype, backward):
+    cfg = EchoConfig(bits=bits, quantizer=quantizer, residual=residual)
+    n = 1500 + 37 * P                        # pads to whole groups; several tiles per segment
+    sim = sf.SimulatedFused(P, tile_elems=256)
+    ref_state, state = CompState.zeros((P, n), "cpu"), CompState.zeros((P, n), "cpu")
+    for call in range(2):                    # the state feeds back; the flags' epoch advances
+        x = _fused_input(P, n, dtype, seed=100 * P + 10 * bits + call,
+                         scale=1e-6 if backward else 1.0)
+        want, _ = compensated_all_reduce(x, cfg, SimTransport(P), state=ref_state,
+                                         backward=backward)
+        got = sim(x, cfg, state=state, backward=backward)
+        assert_bits_equal(got, want, f"y call={call}")
+        assert_bits_equal(state.m1, ref_state.m1, f"m1 call={call}")
+        assert_bits_equal(state.m2, ref_state.m2, f"m2 call={call}")
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_fused_uncompensated_and_nonfinite(bits):
+    """No state (eta = 0 path) and NaN/Inf inputs: y matches, NaN lands in the same places."""
+    P, n = 4, 1024
+    cfg = EchoConfig(bits=bits, eta=0.0)
+    x = _fused_input(P, n, torch.bfloat16, seed=7, scale=1.0)
+    x[1, 700] = float("nan")
+    x[2, 900] = float("inf")
+    want, _ = compensated_all_reduce(x, cfg, SimTransport(P), state=None)
+    got = sf.SimulatedFused(P, tile_elems=512)(x, cfg, state=None)
+    assert_bits_equal(got, want, "y")
+    assert got[:, 700].isnan().all()
+
+
+def test_gather_slots_identical_on_every_rank():
+    """Every rank holds the same owner packets after a call (everyone decodes the same bytes)."""
+    P, n = 4, 2048
+    cfg = EchoConfig(bits=4)
+    sim = sf.SimulatedFused(P, tile_elems=512)
+    sim(_fused_input(P, n, torch.bfloat16, seed=3, scale=1.0), cfg, state=None)
+    ws = sim.workspace(n, cfg.quant_spec(), torch.device("cpu"))
+    lay = ws["lay"]
+    for owner in range(P):
+        first = lay.packet(ws["bufs"][0], 1, owner, cfg.quant_spec())
+        for r in range(1, P):
+            other = lay.packet(ws["bufs"][r], 1, owner, cfg.quant_spec())
+            for a, b in zip(first, other):
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_missing_peer_times_out_with_rank_stage_tile():
+    """A stage whose peers never signalled records (rank, stage, tile) and the host raises."""
+    P, n = 2, 1024
+    sim = sf.SimulatedFused(P, tile_elems=512, timeout_polls=20)
+    x = _fused_input(P, n, torch.float16, seed=1, scale=1.0)
+    with pytest.raises(RuntimeError, match=r"rank 0 timed out in stage 1 .* tile 0, peer 1"):
+        sim(x, EchoConfig(bits=4, eta=0.0), state=None, stages=("reduce",))
+
+
+def _concurrent_rank(rank, P, bufs, errs, xs, ys, m1s, m2s, cfg):
+    """One simulated rank in its own process: consecutive calls, no barrier between them."""
+    torch.set_num_threads(1)
+    lay = ak.Layout.build(xs.shape[-1], P, cfg.quant_spec(), tile_elems=256)
+    table = torch.tensor([b.data_ptr() for b in bufs] + [errs[rank].data_ptr()])
+    epoch = torch.zeros(1, dtype=torch.int64)
+    state = CompState(m1s[rank], m2s[rank])
+    for call in range(xs.shape[0]):
+        epoch.add_(1)
+        plan = ak.CallPlan(rank=rank, lay=lay, cfg=cfg, x=xs[call, rank], state=state, fs=None,
+                           epoch=epoch, table=table, timeout=300_000, use_timer=False)
+        time.sleep(0.6 if rank == call % P else 0.0)          # one rank pushes late,
+        plan.entry()
+        time.sleep(0.6 if rank == (call + 1) % P else 0.0)    # another reduces late
+        plan.reduce()
+        plan.tail(ys[call, rank])
+
+
+@pytest.mark.parametrize("P,residual", [(2, "local"), (3, "output")])
+def test_fused_ranks_in_concurrent_processes(P, residual):
+    """The flag protocol with real concurrency: P processes share their buffers (as symmetric
+    memory would), each runs 3 calls back to back; every wait must see its peer's data and no
+    rank may overwrite a slot a slower peer still reads."""
+    import torch.multiprocessing as mp
+    cfg = EchoConfig(bits=4, residual=residual)
+    calls, n = 3, 1000
+    lay = ak.Layout.build(n, P, cfg.quant_spec(), tile_elems=256)
+    bufs = [torch.randint(0, 256, (lay.nbytes,), dtype=torch.uint8).share_memory_()
+            for _ in range(P)]
+    for b in bufs:
+        lay.flag_words(b).zero_()
+    errs = [torch.zeros(8, dtype=torch.int64).share_memory_() for _ in range(P)]
+    xs = torch.stack([_fused_input(P, n, torch.bfloat16, seed=50 + c, scale=1.0)
+                      for c in range(calls)]).share_memory_()
+    ys = torch.empty_like(xs).share_memory_()
+    m1s, m2s = torch.zeros(P, n).share_memory_(), torch.zeros(P, n).share_memory_()
+    mp.start_processes(_concurrent_rank, args=(P, bufs, errs, xs, ys, m1s, m2s, cfg),
+                       nprocs=P, start_method="spawn")
+    for r in range(P):
+        assert describe_error(errs[r]) is None, describe_error(errs[r])
+    ref = CompState.zeros((P, n), "cpu")
+    for call in range(calls):
+        want, _ = compensated_all_reduce(xs[call], cfg, SimTransport(P), state=ref)
+        assert_bits_equal(ys[call], want, f"y call={call}")
+    assert_bits_equal(m1s, ref.m1, "m1")
+    assert_bits_equal(m2s, ref.m2, "m2")
+
+
+def test_layout_alignment():
+    spec = QuantSpec(bits=4, group_size=128)
+    lay = ak.Layout.build(10_000_003, 4, spec, tile_elems=4096)
+    assert lay.seg % 128 == 0 and lay.seg * 4 >= 10_000_003
+    assert lay.slot % 256 == 0 and lay.scale_off % 16 == 0 and lay.zero_off % 16 == 0
+    assert lay.tiles * lay.bg >= lay.groups > (lay.tiles - 1) * lay.bg
+    with pytest.raises(ValueError, match="power of two"):
+        ak.Layout.build(1000, 2, spec, tile_elems=384)

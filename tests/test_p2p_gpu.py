@@ -1,0 +1,167 @@
+"""The p2p backend against the reference backend over NCCL, on 2 and 4 real GPUs.
+
+Each spawned rank (tests/harness.py, gloo default group plus an NCCL group for the GPUs) runs
+the same fresh random inputs through P2PBackend and through the reference TransportBackend
+(collective/qar.py over DistTransport) with separate compensator states, three calls in a row,
+and compares bit for bit: y, m1, m2 (NaN matches NaN; no other tolerance). Cases cover bf16 and
+fp16, bits 4/8, the three policies, both residual modes, no compensation, odd sizes and
+backward power-of-two scaling; one case replays a captured CUDA graph. Skipped without 2 GPUs;
+the availability check itself also runs on the CPU.
+
+When it fails, look first at: the case and tensor named in the message; a mismatch only in
+cases of one policy -> quant_kernels._group_params against quant.group_params (divisions must
+be div_rn, the reference divides by 0-dim tensors); a RuntimeError naming rank/stage/tile ->
+a flag never arrived (kernels/flags.py, the epoch bump in P2PBackend.run); wrong values in the
+first tiles of a segment only -> Layout offsets; values that change between runs -> a race
+(signal/wait ordering).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from harness import run_ranks
+
+NEEDS = "needs >= {} CUDA GPUs with peer access"
+
+# (bits, quantizer, residual, eta, dtype, backward, numel)
+CASES = [
+    (4, "zero_aware", "output", 0.75, "bfloat16", False, 1 << 20),
+    (4, "zero_aware", "local", 0.75, "bfloat16", False, 3_000_017),
+    (8, "zero_aware", "output", 0.75, "float16", False, 1_000_003),
+    (4, "symmetric", "local", 0.75, "float16", False, 777_777),
+    (8, "naive", "output", 0.75, "bfloat16", False, 524_288),
+    (4, "naive", "local", 0.75, "bfloat16", True, 1_048_573),
+    (4, "zero_aware", "output", 0.75, "bfloat16", True, 2_000_000),
+    (8, "symmetric", "output", 0.0, "bfloat16", False, 999_999),
+    (4, "zero_aware", "output", 0.0, "float16", False, 4096 * 5 + 3),
+]
+
+
+def _bad(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    gn, wn = got.isnan(), want.isnan()
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[got.element_size()]
+    return (gn != wn) | (~gn & ~wn & (got.view(ints) != want.view(ints)))
+
+
+def _mismatch(got: torch.Tensor, want: torch.Tensor) -> int:
+    return int(_bad(got, want).sum())
+
+
+def _first(got: torch.Tensor, want: torch.Tensor) -> str:
+    """Where the first mismatch is (element, its group and tile), for the failure message."""
+    idx = int(_bad(got, want).nonzero()[0])
+    return (f"elem {idx} (group {idx // 128}, tile {idx // 2048}): got {got[idx].item()!r} "
+            f"want {want[idx].item()!r}")
+
+
+def _input(n, dtype, rank, seed, backward):
+    gen = torch.Generator(device="cuda").manual_seed(seed * 131 + rank)
+    x = torch.randn(n, generator=gen, device="cuda")
+    x *= torch.exp(torch.randn(n // 128 + 1, generator=gen, device="cuda") * 2) \
+        .repeat_interleave(128)[:n]                          # group magnitudes
+    x[7::501] *= 30.0                                        # outliers
+    x[1024:1152] = 0.0                                       # an all-zero group
+    x[2048:2176] = 1.5                                       # a constant group
+    if backward:
+        x *= 1e-7                                            # gradients: tiny values
+    return x.to(getattr(torch, dtype))
+
+
+def exactness_worker(rank: int, world: int, cases=CASES, calls: int = 3, group=None,
+                     graph: bool = True) -> list[dict]:
+    """On one rank: every case through p2p and the reference; mismatch counts per tensor."""
+    from echo_tp.collective.dispatch import TransportBackend
+    from echo_tp.collective.p2p import P2PBackend, p2p_unavailable_reason
+    from echo_tp.collective.reference import DistTransport
+    from echo_tp.compensator import CompState
+    from echo_tp.config import EchoConfig
+    reason = p2p_unavailable_reason(group)
+    if reason is not None:
+        return [{"error": reason}]
+    p2p = P2PBackend(group, min_bytes=0)
+    calls = int(os.environ.get("ECHO_TEST_CALLS", calls))
+    ref = TransportBackend(DistTransport(group))
+    out = []
+    for ci, (bits, quantizer, residual, eta, dtype, backward, n) in enumerate(cases):
+        cfg = EchoConfig(bits=bits, quantizer=quantizer, residual=residual, eta=eta)
+        comp = cfg.compensated
+        st_p = CompState.zeros(n, "cuda") if comp else None
+        st_r = CompState.zeros(n, "cuda") if comp else None
+        row = {"case": (bits, quantizer, residual, eta, dtype, backward, n), "y": 0, "m1": 0,
+               "m2": 0}
+        for call in range(calls):
+            x = _input(n, dtype, rank, seed=1000 * ci + call, backward=backward)
+            y_r, _ = ref.run(x, cfg, state=st_r, backward=backward, record=False)
+            y_p, _ = p2p.run(x, cfg, state=st_p, backward=backward, record=False)
+            row["y"] += _mismatch(y_p, y_r)
+            if comp:
+                row["m1"] += _mismatch(st_p.m1, st_r.m1)
+                row["m2"] += _mismatch(st_p.m2, st_r.m2)
+            if "first" not in row and (row["y"] or row["m1"]):
+                row["first"] = f"call {call}: " + (_first(y_p, y_r) if row["y"]
+                                                   else "m1 " + _first(st_p.m1, st_r.m1))
+        out.append(row)
+    if graph:
+        out.append(_graph_case(p2p, ref, rank))
+    out.append({"case": "info", "symm_backend": str(p2p.symm_backend), "use_timer": p2p.use_timer,
+                "y": 0, "m1": 0, "m2": 0})
+    p2p.check_error()
+    p2p.close()
+    return out
+
+
+def _graph_case(p2p, ref, rank: int) -> dict:
+    """Capture one compensated p2p call in a CUDA graph; replay it on new inputs."""
+    from echo_tp.compensator import CompState
+    from echo_tp.config import EchoConfig
+    n, cfg = 1 << 20, EchoConfig(bits=4, residual="local")
+    st_p, st_r = CompState.zeros(n, "cuda"), CompState.zeros(n, "cuda")
+    x_static = _input(n, "bfloat16", rank, seed=77, backward=False)
+    y_r, _ = ref.run(x_static, cfg, state=st_r, backward=False, record=False)
+    y_p, _ = p2p.run(x_static, cfg, state=st_p, backward=False, record=False)   # warm-up
+    row = {"case": "cuda-graph replay x3", "y": _mismatch(y_p, y_r),
+           "m1": _mismatch(st_p.m1, st_r.m1), "m2": _mismatch(st_p.m2, st_r.m2)}
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y_static, _ = p2p.run(x_static, cfg, state=st_p, backward=False, record=False)
+    for call in range(3):
+        x_static.copy_(_input(n, "bfloat16", rank, seed=78 + call, backward=False))
+        y_r, _ = ref.run(x_static, cfg, state=st_r, backward=False, record=False)
+        g.replay()
+        row["y"] += _mismatch(y_static, y_r)
+        row["m1"] += _mismatch(st_p.m1, st_r.m1)
+        row["m2"] += _mismatch(st_p.m2, st_r.m2)
+    return row
+
+
+def _ranks_fn(rank: int, world: int, cases):
+    import torch.distributed as dist
+    for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                 ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ.setdefault(k, v)
+    torch.cuda.set_device(rank)
+    group = dist.new_group(backend="nccl")
+    return exactness_worker(rank, world, cases, group=group)
+
+
+def test_unavailable_reason_is_cheap_without_gpus():
+    from echo_tp.collective.p2p import p2p_unavailable_reason
+    reason = p2p_unavailable_reason(None)
+    if not torch.cuda.is_available():
+        assert reason == "CUDA is not available"
+    else:
+        assert reason is None or isinstance(reason, str)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_p2p_bit_identical_to_nccl_reference(world):
+    if torch.cuda.device_count() < world:
+        pytest.skip(NEEDS.format(world))
+    results = run_ranks(world, _ranks_fn, CASES, timeout=600)
+    for rank, rows in enumerate(results):
+        assert "error" not in rows[0], f"rank {rank}: p2p unavailable: {rows[0]}"
+        bad = [r for r in rows if r["y"] or r["m1"] or r["m2"]]
+        assert not bad, f"rank {rank}: mismatching elements {bad}"
