@@ -188,6 +188,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-150m": dict(vocab_size=50257, dim=768, n_layers=12, n_heads=12, n_kv_heads=4,
                        head_dim=64, intermediate_size=2048, rope_theta=1000000.0, norm_eps=1e-6,
                        max_seq_len=2048, tie_embeddings=True, qk_norm=True),
+    # The training study's model on the 8k Gutenberg tokenizer: ~107M parameters (tied).
+    "qwen3-100m-8k": dict(vocab_size=8192, dim=768, n_layers=16, n_heads=12, n_kv_heads=4,
+                          head_dim=64, intermediate_size=2048, rope_theta=1000000.0,
+                          norm_eps=1e-6, max_seq_len=2048, tie_embeddings=True, qk_norm=True),
     # The demo's shipped model: ~6.8M parameters on the 8k Gutenberg tokenizer (13.7 MB in bf16).
     "qwen3-demo-8k": dict(vocab_size=8192, dim=256, n_layers=6, n_heads=8, n_kv_heads=4,
                           head_dim=32, intermediate_size=768, rope_theta=1000000.0,
