@@ -2,7 +2,7 @@
 the demo makes, so it is asserted: Echo's accumulated error stays far below uncompensated 4-bit.
 If this fails first, run `echo-tp demo` by hand and look at the printed table."""
 from echo_tp import cli
-from echo_tp.demo import DemoShape, run
+from echo_tp.demo import PPL_CONFIGS, DemoShape, perplexity, run
 
 
 def test_demo_orders_the_configs():
@@ -19,6 +19,13 @@ def test_demo_orders_the_configs():
 def test_demo_cli_writes_plot(tmp_path, capsys):
     out = tmp_path / "demo.png"
     assert cli.main(["demo", "--world-size", "2", "--sites", "4", "--tokens", "4", "--hidden",
-                     "256", "--out", str(out), "--no-progress"]) == 0
+                     "256", "--out", str(out), "--no-progress", "--no-model"]) == 0
     assert out.stat().st_size > 1000
     assert "Echo 4-bit (local residual)" in capsys.readouterr().out
+
+
+def test_demo_perplexity_table_runs_on_the_heldout_sample():
+    # a random-init preset of the demo model's shape: the path is exercised, not the numbers
+    rows = perplexity(model="qwen3-demo-8k", max_windows=2, context=64, progress=False)
+    assert [r["label"] for r in rows] == PPL_CONFIGS
+    assert all(r["ppl"] > 1 for r in rows)

@@ -13,11 +13,13 @@ def _demo(sub):
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--out", default="echo_demo.png", help="PNG plot of ||S_t|| against t")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-model", action="store_true",
+                   help="skip the perplexity table of the shipped trained model")
 
     def run(a):
         from .demo import main
         main(world_size=a.world_size, sites=a.sites, tokens=a.tokens, hidden=a.hidden,
-             out=a.out, progress=not a.no_progress)
+             out=a.out, progress=not a.no_progress, with_model=not a.no_model)
     p.set_defaults(func=run)
 
 

@@ -1,5 +1,7 @@
 """`echo-tp demo`: one pass of N model-like all-reduce sites on P gloo ranks, through 16-bit,
-8-bit, 4-bit without compensation and Echo 4-bit (both residual modes).
+8-bit, 4-bit without compensation and Echo 4-bit (both residual modes); then, with the shipped
+trained model (assets/models/demo-8k, trained by studies/train_study.py), the perplexity of
+held-out text (assets/text) under the same configs at simulated TP=4.
 
 Each site k gives rank i a partial x_{k,i} [tokens, hidden]: a component shared by the ranks that
 drifts slowly from site to site (correlated across sites, like a residual stream's inputs), a
@@ -14,8 +16,15 @@ from dataclasses import dataclass
 
 import torch
 
+from pathlib import Path
+
 from .config import EchoConfig
 from .launch import run_ranks
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+DEMO_MODEL = ASSETS / "models" / "demo-8k"
+HELDOUT_TEXT = ASSETS / "text" / "heldout_rowlandson.txt"
+PPL_CONFIGS = ["16", "8", "4", "echo4:residual=output", "echo4:residual=local"]
 
 DEMO_CONFIGS = {
     "16-bit": EchoConfig(bits=16),
@@ -118,11 +127,25 @@ def plot(results: dict, path: str) -> None:
     plt.close(fig)
 
 
+def perplexity(*, model: str | Path = DEMO_MODEL, text: str | Path = HELDOUT_TEXT,
+               simulate: int = 4, context: int = 256, max_windows: int | None = 64,
+               progress: bool = True) -> list[dict]:
+    """Held-out perplexity of a trained model under PPL_CONFIGS at simulated TP (CPU, fp32)."""
+    from .eval.perplexity import main as eval_main
+    print(f"\nperplexity of {Path(text).name} (held out from training), model {Path(model).name}, "
+          f"simulated TP={simulate}:")
+    return eval_main(model=str(model), data=str(text), comms=PPL_CONFIGS, context=context,
+                     batch_size=8, max_windows=max_windows, simulate=simulate, device="cpu",
+                     dtype="float32", tokenizer="gutenberg-8k", progress=progress)
+
+
 def main(*, world_size: int = 4, sites: int = 64, tokens: int = 32, hidden: int = 1024,
-         out: str = "echo_demo.png", progress: bool = True) -> dict:
+         out: str = "echo_demo.png", progress: bool = True, with_model: bool = True) -> dict:
     results = run(world_size=world_size, shape=DemoShape(sites=sites, tokens=tokens,
                                                          hidden=hidden), progress=progress)
     print(format_table(results))
     plot(results, out)
     print(f"plot: {out}")
+    if with_model and (DEMO_MODEL / "config.json").is_file():
+        results["perplexity"] = perplexity(progress=progress)
     return results
