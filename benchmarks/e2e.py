@@ -1,0 +1,211 @@
+"""End-to-end speed at TP=P: time to first token, decode step and training step, NCCL 16-bit
+against Echo (auto dispatch: the p2p fast path where it wins), idle and under background
+interconnect load. Every row of the table comes from the same run.
+
+    torchrun --nproc-per-node 4 benchmarks/e2e.py --out DIR [--models llama-3-8b qwen3-8b]
+
+Per model shape (random weights, all layers, bf16):
+  * prefill (TTFT): one forward of [batch, 2048] tokens, a large batch (all-reduce message
+    ~ --big-mb per call) and a small one;
+  * decode: one token for a small batch with a KV cache (messages of KB);
+  * train: forward + backward of [train-batch, 2048] (both directions compensated, gradient
+    scaling included); no optimizer step;
+  * each timed for comm in {nccl16, echo4, echo8, early8} and with the all-reduce replaced by
+    the identity ('no-ar': the compute alone), so the all-reduce share of the 16-bit step
+    s = 1 - t_noar / t_nccl and its Amdahl bound 1 / (1 - s) sit next to the speedup;
+  * prefill and train again under background peer-to-peer copies at 50/75/100% duty cycle.
+Medians of --iters timed repetitions after warm-up, CUDA events. JSON + markdown on rank 0.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from echo_tp.bench.background import BackgroundLoad
+from echo_tp.communicator import EchoCommunicator
+from echo_tp.models import ModelConfig, build_meta_model, init_weights
+from echo_tp.tp import parallelize, parse_comm_spec, set_comm
+
+COMMS = {"nccl16": "16", "echo4": "echo4", "echo8": "echo8", "early8": "early8"}
+
+
+class IdentityComm:
+    """Stands where the communicator stands and returns its input: the compute-only step."""
+
+    simulated = False
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+
+    def all_reduce(self, x, *, direction="forward", bits=None):
+        return x
+
+    def new_pass(self, direction="forward"):
+        pass
+
+
+def timed(fn, iters: int, warmup: int = 2) -> float:
+    """Median ms of fn() over iters runs (CUDA events, ranks aligned by a barrier each run)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    t = torch.tensor([statistics.median(times)], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the step time
+    return float(t)
+
+
+def build(name: str, rank: int, world: int, comm):
+    cfg = ModelConfig.from_name(name)
+    model = build_meta_model(cfg).to_empty(device="cuda")
+    init_weights(model, seed=0)
+    model = model.to(torch.bfloat16)
+    parallelize(model, comm, rank)
+    return model, cfg
+
+
+def bench_model(name: str, a, rank: int, world: int) -> list[dict]:
+    specs = {k: parse_comm_spec(v) for k, v in COMMS.items()}
+    comms = {k: EchoCommunicator.from_group(None, s.config) for k, s in specs.items()}
+    model, cfg = build(name, rank, world, comms["nccl16"])
+    dev = torch.device("cuda")
+    big_b = max(1, round(a.big_mb * 2**20 / (a.seq * cfg.dim * 2)))
+    rows = []
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    def tokens(b, t):
+        return torch.randint(0, cfg.vocab_size, (b, t), generator=g).to(dev)
+
+    def with_comm(key):
+        if key == "no-ar":
+            set_comm(model, IdentityComm(world))
+        else:
+            set_comm(model, comms[key], policy=specs[key].policy)
+
+    def prefill(b):
+        x = tokens(b, a.seq)
+
+        def run():
+            with torch.no_grad():
+                model(x, last_only=True)
+        return run
+
+    def decode(b):
+        cache = model.new_kv_cache(b, a.seq + 8)
+        prompt = tokens(b, 64)
+        with torch.no_grad():
+            model(prompt, kv_cache=cache)
+        nxt = tokens(b, 1)
+
+        def run():
+            with torch.no_grad():
+                model(nxt, start_pos=64, kv_cache=cache, last_only=True)
+        return run
+
+    def train(b):
+        x = tokens(b, a.seq)
+
+        def run():
+            model.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(x).float().logsumexp(-1).mean()
+            loss.backward()
+        return run
+
+    cases = [("prefill", big_b, prefill), ("prefill", a.small_batch, prefill),
+             ("decode", a.decode_batch, decode), ("train", a.train_batch, train)]
+    for kind, b, make in cases:
+        msg_mb = b * (1 if kind == "decode" else a.seq) * cfg.dim * 2 / 2**20
+        loads = a.loads if kind in ("prefill", "train") and b != a.small_batch else [0.0]
+        fn = make(b)
+        for duty in loads:
+            row = {"model": name, "kind": kind, "batch": b, "msg_mb": msg_mb, "load": duty}
+            with BackgroundLoad(duty=duty, rank=rank, world_size=world):
+                for key in ["no-ar", *COMMS]:
+                    if kind == "train" and key == "no-ar" and duty:
+                        continue
+                    with_comm(key)
+                    row[key] = timed(fn, a.iters)
+            base = row["nccl16"]
+            for key in COMMS:
+                row[f"speedup_{key}"] = base / row[key]
+            if "no-ar" in row:
+                row["ar_share"] = max(0.0, 1 - row["no-ar"] / base)
+                row["amdahl_bound"] = base / row["no-ar"]
+            rows.append(row)
+            if rank == 0:
+                print(json.dumps(row), flush=True)
+    for c in comms.values():
+        c.close()
+    del model
+    torch.cuda.empty_cache()
+    return rows
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    out = [f"# End-to-end at TP={meta['world_size']} ({meta['date']})", "",
+           f"{meta['gpus']}; torch {meta['torch']}, triton {meta['triton']}, "
+           f"NCCL {meta['nccl']}", "", f"Command: `{meta['command']}`", "",
+           "| model | step | batch | AR msg MB | load | NCCL ms | Echo4 ms | x | Echo8 x | "
+           "early8 x | AR share | Amdahl bound |", "|" + "---|" * 12]
+    for r in rows:
+        share = f"{100 * r['ar_share']:.0f}%" if "ar_share" in r else ""
+        bound = f"{r['amdahl_bound']:.2f}" if "amdahl_bound" in r else ""
+        out.append(f"| {r['model']} | {r['kind']} | {r['batch']} | {r['msg_mb']:.1f} | "
+                   f"{100 * r['load']:.0f}% | {r['nccl16']:.2f} | {r['echo4']:.2f} | "
+                   f"{r['speedup_echo4']:.2f} | {r['speedup_echo8']:.2f} | "
+                   f"{r['speedup_early8']:.2f} | {share} | {bound} |")
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", nargs="+", default=["llama-3-8b", "qwen3-8b"])
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--big-mb", type=float, default=1024.0)
+    ap.add_argument("--small-batch", type=int, default=4)
+    ap.add_argument("--decode-batch", type=int, default=8)
+    ap.add_argument("--train-batch", type=int, default=4)
+    ap.add_argument("--loads", type=float, nargs="+", default=[0.0, 0.5, 0.75, 1.0])
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--out", type=Path, default=Path("docs/results"))
+    a = ap.parse_args()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t0 = time.time()
+    rows = []
+    for name in a.models:
+        rows += bench_model(name, a, rank, world)
+    if rank == 0:
+        import triton
+        meta = {"date": time.strftime("%Y-%m-%d"), "world_size": world,
+                "gpus": f"{world}x {torch.cuda.get_device_name()}", "torch": torch.__version__,
+                "triton": triton.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+                "command": "torchrun --nproc-per-node %d benchmarks/e2e.py %s"
+                           % (world, " ".join(os.sys.argv[1:])), "seconds": time.time() - t0}
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / f"e2e-P{world}.json").write_text(json.dumps({"meta": meta, "rows": rows},
+                                                             indent=1) + "\n")
+        (a.out / f"e2e-P{world}.md").write_text(markdown(rows, meta))
+        print(markdown(rows, meta))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Benchmark helpers: background interconnect load, timing utilities."""
