@@ -18,6 +18,7 @@ import os
 import socket
 import statistics
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -86,8 +87,78 @@ def _time(fn, iters: int, warmup: int) -> float:
     return statistics.median(ev[i].elapsed_time(ev[i + 1]) for i in range(iters))
 
 
+def stage_times(p2p, x, cfg, state, iters: int = 20) -> dict:
+    """Median ms of entry, reduce (its waits included) and tail over `iters` calls, from
+    events recorded between the launches (P2PBackend.stage_events)."""
+    per = {"entry": [], "reduce": [], "tail": []}
+    dist.barrier()
+    for _ in range(iters):
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        p2p.stage_events = ev
+        p2p.run(x, cfg, state=state, backward=False, record=False)
+        p2p.stage_events = None
+        torch.cuda.synchronize()
+        for k, name in enumerate(per):
+            per[name].append(ev[k].elapsed_time(ev[k + 1]))
+    return {k: statistics.median(v) for k, v in per.items()}
+
+
+def ceilings(rank: int, world: int, nbytes: int = 1 << 30, iters: int = 10) -> dict:
+    """Measured ceilings on this rank: local device-to-device copy (read + write bytes / s),
+    and NVLink writes into the next rank's symmetric buffer while every rank writes at once:
+    a copy-engine memcpy ('ce_push') and an SM kernel storing to the peer ('sm_push'),
+    per-direction GB/s."""
+    from torch.distributed import _symmetric_memory as symm
+    out = {}
+    a = torch.randn(nbytes // 4, device="cuda")
+    b = torch.empty_like(a)
+
+    def med(fn):
+        for _ in range(2):
+            fn()
+        torch.cuda.synchronize()
+        dist.barrier()
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
+        ev[0].record()
+        for i in range(iters):
+            fn()
+            ev[i + 1].record()
+        torch.cuda.synchronize()
+        return statistics.median(ev[i].elapsed_time(ev[i + 1]) for i in range(iters))
+
+    ms = med(lambda: b.copy_(a))
+    out["d2d_copy_GBps"] = 2 * nbytes / (ms * 1e-3) / 1e9
+    peer_bytes = min(nbytes, 256 << 20)
+    try:
+        if symm.get_backend(torch.device("cuda", rank)) is None:
+            symm.set_backend("CUDA")
+    except Exception:  # noqa: BLE001
+        pass
+    buf = symm.empty(peer_bytes, dtype=torch.uint8, device="cuda")
+    hdl = symm.rendezvous(buf, dist.group.WORLD)
+    offset = buf.data_ptr() - int(hdl.buffer_ptrs[rank])          # bytes; 0 in practice
+    peer = hdl.get_buffer((rank + 1) % world, (peer_bytes // 4,), torch.float32, offset // 4)
+    src = a[:peer_bytes // 4]
+    ms = med(lambda: peer.copy_(src))
+    out["ce_push_GBps"] = peer_bytes / (ms * 1e-3) / 1e9
+    ms = med(lambda: torch.mul(src, 1.0, out=peer))
+    out["sm_push_GBps"] = peer_bytes / (ms * 1e-3) / 1e9
+    dst = b[:peer_bytes // 4]
+    ms = med(lambda: torch.mul(peer, 1.0, out=dst))
+    out["sm_pull_GBps"] = peer_bytes / (ms * 1e-3) / 1e9
+    torch.cuda.synchronize()
+    dist.barrier()
+    del peer, hdl, buf
+    return out
+
+
+STAGE_METHODS = ("p2p8", "p2p4", "p2p4c-out", "p2p4c-loc")
+STAGE_MIN_BYTES = 64 * MB
+
+
 def bench_worker(rank: int, world: int, sizes=SIZES, methods=METHODS, iters: int = 50,
-                 warmup: int = 5, deadline: float | None = None, **p2p_kwargs) -> list[dict]:
+                 warmup: int = 5, deadline: float | None = None, stages: bool = False,
+                 **p2p_kwargs) -> list[dict]:
     """On one rank: every size x method -> {'bytes', 'method', 'ms'} (this rank's median)."""
     from echo_tp.collective.dispatch import TransportBackend
     from echo_tp.collective.p2p import P2PBackend
@@ -97,6 +168,14 @@ def bench_worker(rank: int, world: int, sizes=SIZES, methods=METHODS, iters: int
     p2p = P2PBackend(None, min_bytes=0, **p2p_kwargs)
     ref = TransportBackend(DistTransport(None))
     rows = []
+    broken: set = set()      # methods that failed on some rank: skipped for the other sizes
+
+    def agree(err: str | None) -> bool:
+        """True when every rank succeeded (one NCCL all-reduce, so ranks stay in step)."""
+        bad = torch.tensor([err is not None], device="cuda", dtype=torch.int32)
+        dist.all_reduce(bad)
+        return not bad.item()
+
     for nbytes in sizes:
         n = nbytes // 2
         gen = torch.Generator(device="cuda").manual_seed(rank + 1)
@@ -105,37 +184,59 @@ def bench_worker(rank: int, world: int, sizes=SIZES, methods=METHODS, iters: int
             flag = torch.tensor([time.time() > deadline if deadline else False],
                                 device="cuda", dtype=torch.int32)
             dist.all_reduce(flag)                     # all ranks skip together
-            if flag.item():
+            if flag.item() or method in broken:
                 continue
             state = None
             if method == "p2p4-graph" and nbytes > GRAPH_MAX_BYTES:
                 continue
-            if method == "nccl16":
-                buf = x.clone()
-                fn = lambda: dist.all_reduce(buf)     # noqa: E731
-            elif method == "p2p4-graph":
-                cfg = EchoConfig(bits=4, eta=0.0)
-                p2p.run(x, cfg, state=None, backward=False, record=False)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
+            err = None
+            try:                                      # set-up and one call (compiles)
+                if method == "nccl16":
+                    buf = x.clone()
+                    fn = lambda: dist.all_reduce(buf)     # noqa: E731
+                elif method == "p2p4-graph":
+                    cfg = EchoConfig(bits=4, eta=0.0)
                     p2p.run(x, cfg, state=None, backward=False, record=False)
-                fn = graph.replay
-            elif method.startswith("ref"):
-                cfg = EchoConfig(bits=int(method[3:]), eta=0.0)
-                fn = lambda: ref.run(x, cfg, state=None, backward=False, record=False)  # noqa
-            else:
-                bits = int(method[3])
-                comp = method.startswith("p2p4c")
-                cfg = EchoConfig(bits=bits, eta=0.75 if comp else 0.0,
-                                 residual="local" if method.endswith("loc") else "output")
-                state = CompState.zeros(n, "cuda") if comp else None
-                fn = lambda: p2p.run(x, cfg, state=state, backward=False, record=False)  # noqa
-            ms = _time(fn, iters, warmup)
-            rows.append({"bytes": nbytes, "method": method, "ms": ms})
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        p2p.run(x, cfg, state=None, backward=False, record=False)
+                    fn = graph.replay
+                elif method.startswith("ref"):
+                    cfg = EchoConfig(bits=int(method[3:]), eta=0.0)
+                    fn = lambda: ref.run(x, cfg, state=None, backward=False, record=False)  # noqa
+                else:
+                    bits = int(method[3])
+                    comp = method.startswith("p2p4c")
+                    cfg = EchoConfig(bits=bits, eta=0.75 if comp else 0.0,
+                                     residual="local" if method.endswith("loc") else "output")
+                    state = CompState.zeros(n, "cuda") if comp else None
+                    fn = lambda: p2p.run(x, cfg, state=state, backward=False, record=False)  # noqa
+                fn()
+                torch.cuda.synchronize()
+            except Exception:  # noqa: BLE001 - report it, keep the other methods
+                err = traceback.format_exc()[-1500:]
+            if agree(err):
+                try:
+                    row = {"bytes": nbytes, "method": method, "ms": _time(fn, iters, warmup)}
+                    if stages and method in STAGE_METHODS and nbytes >= STAGE_MIN_BYTES:
+                        row["stages_ms"] = stage_times(p2p, x, cfg, state,
+                                                       iters=max(5, iters // 2))
+                except Exception:  # noqa: BLE001
+                    err = traceback.format_exc()[-1500:]
+            if not agree(err):
+                broken.add(method)
+                row = {"bytes": nbytes, "method": method,
+                       "error": err or "failed on another rank"}
+            rows.append(row)
+            if rank == 0 or "error" in row:
+                print(f"[bench P{world} rank{rank}] {row}", flush=True)
             del state
         torch.cuda.empty_cache()
-    p2p.check_error()
+    try:
+        p2p.check_error()
+    except Exception:  # noqa: BLE001
+        rows.append({"bytes": 0, "method": "check_error", "error": traceback.format_exc()[-1500:]})
     p2p.close()
     return rows
 
@@ -143,16 +244,24 @@ def bench_worker(rank: int, world: int, sizes=SIZES, methods=METHODS, iters: int
 def summarize(per_rank: list[list[dict]], world: int) -> list[dict]:
     """Max over ranks of the per-rank medians; speedup vs nccl16; bf16-equivalent bus GB/s."""
     table: dict = {}
+    stages: dict = {}
     for rows in per_rank:
         for r in rows:
+            if "ms" not in r:            # failed: listed by errors()
+                continue
             key = (r["bytes"], r["method"])
             table[key] = max(table.get(key, 0.0), r["ms"])
+            for k, v in r.get("stages_ms", {}).items():
+                stages.setdefault(key, {})[k] = max(stages.get(key, {}).get(k, 0.0), v)
     out = []
     for (nbytes, method), ms in sorted(table.items()):
         base = table.get((nbytes, "nccl16"))
-        out.append({"bytes": nbytes, "method": method, "ms": ms,
-                    "speedup": base / ms if base else None,
-                    "busbw_GBps": 2 * (world - 1) / world * nbytes / (ms * 1e-3) / 1e9})
+        row = {"bytes": nbytes, "method": method, "ms": ms,
+               "speedup": base / ms if base else None,
+               "busbw_GBps": 2 * (world - 1) / world * nbytes / (ms * 1e-3) / 1e9}
+        if (nbytes, method) in stages:
+            row["stages_ms"] = stages[(nbytes, method)]
+        out.append(row)
     return out
 
 
@@ -173,14 +282,34 @@ def markdown(rows: list[dict], world: int, header: str = "") -> str:
     return "\n".join(lines)
 
 
-def crossover(rows: list[dict], method: str = "p2p4") -> int | None:
-    """Smallest size from which `method` beats nccl16 at every larger measured size."""
+def errors(per_rank: list[list[dict]]) -> list[dict]:
+    """The failed (size, method) rows of every rank."""
+    return [dict(r, rank=k) for k, rows in enumerate(per_rank) for r in rows if "error" in r]
+
+
+def stage_markdown(rows: list[dict]) -> str:
+    """Per-stage medians (max over ranks) where measured: entry | reduce (waits included) | tail."""
+    lines = ["| size | method | total ms | entry | reduce | tail | bus GB/s |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        st = r.get("stages_ms")
+        if not st:
+            continue
+        label = f"{r['bytes'] >> 20} MB"
+        lines.append(f"| {label} | {r['method']} | {r['ms']:.3f} | {st['entry']:.3f} | "
+                     f"{st['reduce']:.3f} | {st['tail']:.3f} | {r['busbw_GBps']:.0f} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def crossover(rows: list[dict], method: str = "p2p4", margin: float = 0.0) -> int | None:
+    """Smallest size from which `method` beats nccl16 by at least `margin` (0.05: NCCL's time
+    >= 1.05x the method's) at every larger measured size."""
     cell = {(r["bytes"], r["method"]): r["ms"] for r in rows}
     sizes = sorted({r["bytes"] for r in rows})
     best = None
     for s in reversed(sizes):
         a, b = cell.get((s, method)), cell.get((s, "nccl16"))
-        if a is None or b is None or a >= b:
+        if a is None or b is None or b < a * (1.0 + margin):
             break
         best = s
     return best

@@ -116,6 +116,16 @@ def phase_probe(args) -> dict:
            "cuda": torch.version.cuda, "gpus": torch.cuda.device_count(),
            "name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
     n = out["gpus"]
+    try:
+        out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    except Exception as e:  # noqa: BLE001
+        out["nccl"] = repr(e)
+    try:
+        out["smi"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,"
+                                     "clocks.max.sm,power.limit", "--format=csv,noheader"],
+                                    capture_output=True, text=True, timeout=20).stdout
+    except Exception as e:  # noqa: BLE001
+        out["smi"] = repr(e)
     out["peer"] = [[torch.cuda.can_device_access_peer(i, j) if i != j else True
                     for j in range(n)] for i in range(n)]
     try:
@@ -189,21 +199,43 @@ def phase_single(args) -> dict:
     return res
 
 
+def _all_before(deadline: float) -> bool:
+    """Whether every rank is still before the deadline (one all-reduce: ranks decide alike)."""
+    import torch
+    import torch.distributed as dist
+    late = torch.tensor([time.time() > deadline], device="cuda", dtype=torch.int32)
+    dist.all_reduce(late)
+    return not late.item()
+
+
 def _multi_worker(rank, world, cases, sizes, deadline, tile_elems, num_warps, variants):
     import allreduce
     import test_p2p_gpu
-    out = {"exact": [], "bench": [], "variants": []}
+    out = {"exact": [], "bench": [], "variants": [], "ceilings": {}}
+    t0 = time.time()
     try:
         out["exact"] = test_p2p_gpu.exactness_worker(rank, world, cases)
     except Exception:  # noqa: BLE001 - keep going: the timings are still worth having
         out["exact"] = [{"error": traceback.format_exc()[-2500:]}]
+        print(f"[exact rank{rank}] ERROR {out['exact'][0]['error']}", flush=True)
+    out["exact_s"] = round(time.time() - t0, 1)
     kw = dict(tile_elems=tile_elems, num_warps=num_warps) if tile_elems else {}
+    t0 = time.time()
     try:
-        out["bench"] = allreduce.bench_worker(rank, world, sizes, deadline=deadline, **kw)
+        out["bench"] = allreduce.bench_worker(rank, world, sizes, deadline=deadline,
+                                              stages=True, **kw)
     except Exception:  # noqa: BLE001
         out["bench_error"] = traceback.format_exc()[-2500:]
+        print(f"[bench rank{rank}] ERROR {out['bench_error']}", flush=True)
+    out["bench_s"] = round(time.time() - t0, 1)
+    if _all_before(deadline):
+        try:
+            out["ceilings"] = allreduce.ceilings(rank, world)
+            print(f"[ceilings rank{rank}] {out['ceilings']}", flush=True)
+        except Exception:  # noqa: BLE001
+            out["ceilings"] = {"error": traceback.format_exc()[-1500:]}
     for tile, warps in variants:       # launch-shape sweep at the largest size
-        if time.time() > deadline:
+        if not _all_before(deadline):
             break
         try:
             rows = allreduce.bench_worker(rank, world, sizes[:1], ("p2p4", "p2p4c-loc"),
@@ -217,12 +249,16 @@ def _multi_worker(rank, world, cases, sizes, deadline, tile_elems, num_warps, va
 def phase_multi(args, world: int) -> dict:
     import allreduce
     import test_p2p_gpu
-    cases = test_p2p_gpu.CASES if world == 4 else test_p2p_gpu.CASES[::3]
+    full = world == 4 or args.all_cases     # all_cases: the P=2 run is the only multi-GPU one
+    cases = test_p2p_gpu.CASES if full else test_p2p_gpu.CASES[::3]
     sizes = sorted((s for s in allreduce.SIZES if s <= args.max_mb << 20), reverse=True)
-    if world == 2:
+    if world == 2 and not full:
         sizes = [s for s in sizes if s in (1 << 30, 256 << 20, 64 << 20, 16 << 20, 4 << 20,
                                            1 << 20, 256 << 10)]
-    variants = [(1024, 4), (2048, 4), (4096, 8), (8192, 8)] if world == 4 else []
+    elif world == 2:                        # finer steps around the expected crossover
+        sizes = sorted(set(sizes) | {s for s in (512 << 10, 2 << 20, 8 << 20, 32 << 20)
+                                     if s <= args.max_mb << 20}, reverse=True)
+    variants = [(1024, 4), (2048, 4), (4096, 8), (8192, 8)] if full else []
     deadline = time.time() + args.phase_s * 0.8
     per_rank = allreduce.spawn_nccl(world, _multi_worker, cases, sizes, deadline,
                                     args.tile_elems, args.num_warps, variants)
@@ -237,8 +273,13 @@ def phase_multi(args, world: int) -> dict:
             var[key] = max(var.get(key, 0.0), v["ms"])
     return {"exact": [r["exact"] for r in per_rank], "bench": rows, "variants": var,
             "bench_error": [r.get("bench_error") for r in per_rank if r.get("bench_error")],
+            "bench_failures": allreduce.errors([r["bench"] for r in per_rank]),
+            "ceilings": [r.get("ceilings") for r in per_rank],
+            "seconds": [(r.get("exact_s"), r.get("bench_s")) for r in per_rank],
             "crossover_p2p4": allreduce.crossover(rows),
-            "markdown": allreduce.markdown(rows, world)}
+            "crossover_p2p4_5pct": allreduce.crossover(rows, margin=0.05),
+            "markdown": allreduce.markdown(rows, world),
+            "stages": allreduce.stage_markdown(rows)}
 
 
 # ----------------------------------------------------------------------------- orchestration
@@ -249,7 +290,7 @@ def run_phase(name: str, args) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--phase", name, "--out", args.out,
            "--max-mb", str(args.max_mb), "--phase-s", str(args.phase_s),
            "--tile-elems", str(args.tile_elems), "--num-warps", str(args.num_warps),
-           "--device", args.device]
+           "--device", args.device] + (["--all-cases"] if args.all_cases else [])
     t0 = time.time()
     proc = subprocess.Popen(cmd, start_new_session=True)
     limit = {"probe": 60, "single": 150, "compile": 120}.get(name, args.phase_s)
@@ -286,40 +327,64 @@ def child(args) -> None:
 def table(results: dict) -> str:
     lines = ["", "==== p2p_check summary ===="]
     pr = results.get("probe", {})
-    lines.append(f"torch {pr.get('torch')} triton {pr.get('triton')} gpus {pr.get('gpus')} "
-                 f"{pr.get('name')}")
+    lines.append(f"torch {pr.get('torch')} triton {pr.get('triton')} cuda {pr.get('cuda')} "
+                 f"nccl {pr.get('nccl')} gpus {pr.get('gpus')} {pr.get('name')} "
+                 f"peer {pr.get('peer')}")
     for name, res in results.items():
         if "error" in res:
             lines.append(f"[{name}] ERROR: {res['error'][-1500:]}")
+    for section in (_table_compile, _table_single, _table_multi):
+        try:
+            section(results, lines)
+        except Exception:  # noqa: BLE001 - a broken summary must not hide the rest
+            lines.append(f"(summary section {section.__name__} failed: "
+                         f"{traceback.format_exc()[-600:]})")
+    return "\n".join(lines)
+
+
+def _table_compile(results, lines):
     for b in results.get("compile", {}).get("builds", []):
         lines.append(f"sm_90 build {b['kernel']:13s} bits={b['bits']} local={b['local']!s:5s} "
                      f"regs={b['regs']} stack={b['stack']} fma={b['fma']}")
+
+
+def _table_single(results, lines):
     si = results.get("single", {})
-    if "quant" in si:
-        bad = [r for r in si["quant"] if r["codes"] or r["scale"] or r["zero"] or r["decoded"]]
-        lines.append(f"single-GPU quant kernels vs torch CUDA: {len(si['quant']) - len(bad)}/"
-                     f"{len(si['quant'])} configs bit-exact; failing: {bad[:4]}")
-        lines.append("  scale diffs kernel(cpu rule) vs torch CPU: "
-                     f"{sum(r['vs_cpu_rule_scale'] for r in si['quant'])}; torch CUDA vs torch "
-                     f"CPU reference: {sum(r['cuda_vs_cpu_reference_scale'] for r in si['quant'])}")
-        badf = [r for r in si["fused"] if r["y"] or r["m1"] or r["m2"]]
-        lines.append(f"single-GPU fused (SimulatedFused) vs SimTransport: "
-                     f"{len(si['fused']) - len(badf)}/{len(si['fused'])} exact; failing: {badf}")
-        lines.append(f"encode speed: {si.get('speed')}")
+    if "quant" not in si:
+        return
+    bad = [r for r in si["quant"] if r["codes"] or r["scale"] or r["zero"] or r["decoded"]]
+    lines.append(f"single-GPU quant kernels vs torch CUDA: {len(si['quant']) - len(bad)}/"
+                 f"{len(si['quant'])} configs bit-exact; failing: {bad[:4]}")
+    lines.append("  scale diffs torch CUDA vs torch CPU reference: "
+                 f"{sum(r.get('cuda_vs_cpu_reference_scale', 0) for r in si['quant'])}")
+    badf = [r for r in si.get("fused", []) if r["y"] or r["m1"] or r["m2"]]
+    lines.append(f"single-GPU fused (SimulatedFused) vs SimTransport: "
+                 f"{len(si.get('fused', [])) - len(badf)}/{len(si.get('fused', []))} exact; "
+                 f"failing: {badf}")
+    lines.append(f"encode speed: {si.get('speed')}")
+
+
+def _table_multi(results, lines):
     for name in ("P4", "P2"):
         res = results.get(name, {})
-        if "exact" in res:
-            rows = [row for rank_rows in res["exact"] for row in rank_rows]
-            bad = [r for r in rows if "error" in r or r["y"] or r["m1"] or r["m2"]]
-            lines.append(f"{name} p2p vs NCCL reference: {len(rows) - len(bad)}/{len(rows)} "
-                         f"(rank x case) exact; failing: {bad[:6]}")
-            lines.append(res.get("markdown", ""))
-            for err in res.get("bench_error", [])[:1]:
-                lines.append(f"bench error: {err[-1200:]}")
-            if res.get("variants"):
-                lines.append(f"launch-shape sweep (ms): {res['variants']}")
-            lines.append(f"crossover p2p4 vs nccl16: {res.get('crossover_p2p4')}")
-    return "\n".join(lines)
+        if "exact" not in res:
+            continue
+        rows = [row for rank_rows in res["exact"] for row in rank_rows]
+        bad = [r for r in rows if "error" in r or r.get("y") or r.get("m1") or r.get("m2")]
+        lines.append(f"{name} p2p vs NCCL reference: {len(rows) - len(bad)}/{len(rows)} "
+                     f"(rank x case) exact; failing: {str(bad[:6])[-2500:]}")
+        lines.append(f"{name} seconds (exact, bench) per rank: {res.get('seconds')}")
+        lines.append(res.get("markdown", ""))
+        lines.append(res.get("stages", ""))
+        for err in res.get("bench_error", [])[:1]:
+            lines.append(f"bench error: {err[-1200:]}")
+        for f in res.get("bench_failures", [])[:3]:
+            lines.append(f"bench failure: {str(f)[-900:]}")
+        if res.get("variants"):
+            lines.append(f"launch-shape sweep (ms): {res['variants']}")
+        lines.append(f"ceilings per rank: {res.get('ceilings')}")
+        lines.append(f"crossover p2p4 vs nccl16: {res.get('crossover_p2p4')}; "
+                     f"with >= 5% margin: {res.get('crossover_p2p4_5pct')}")
 
 
 def main() -> None:
@@ -333,6 +398,8 @@ def main() -> None:
     ap.add_argument("--tile-elems", type=int, default=0)
     ap.add_argument("--num-warps", type=int, default=8)
     ap.add_argument("--device", default="cuda", help="'cpu': dry run of probe/single phases")
+    ap.add_argument("--all-cases", action="store_true",
+                    help="P2: every exactness case, finer sizes, launch-shape sweep")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.phase:

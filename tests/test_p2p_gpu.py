@@ -104,8 +104,10 @@ def exactness_worker(rank: int, world: int, cases=CASES, calls: int = 3, group=N
                 row["first"] = f"call {call}: " + (_first(y_p, y_r) if row["y"]
                                                    else "m1 " + _first(st_p.m1, st_r.m1))
         out.append(row)
+        print(f"[exact P{world} rank{rank}] {row}", flush=True)   # survives a later hang
     if graph:
         out.append(_graph_case(p2p, ref, rank))
+        print(f"[exact P{world} rank{rank}] {out[-1]}", flush=True)
     out.append({"case": "info", "symm_backend": str(p2p.symm_backend), "use_timer": p2p.use_timer,
                 "y": 0, "m1": 0, "m2": 0})
     p2p.check_error()

@@ -35,9 +35,19 @@ from .reference import DistTransport
 
 log = logging.getLogger(__name__)
 
-CROSSOVER_BYTES = 1 << 20
-"""Messages smaller than this (bytes per rank) go to the reference backend; see
-docs/notes/fastpath.md for the measurement behind the value."""
+CROSSOVER_BYTES = 128 << 20
+"""Messages smaller than this (bytes per rank) go to the reference backend.
+
+Measured 2026-11-29 on 2 H200s (NVLink, P=2; docs/results/2026-11-29-p2p-x2.md): the smallest
+size from which p2p 4-bit (eager calls, uncompensated) beats NCCL's bf16 all-reduce by >= 5% at
+every larger measured size. 128 MiB: 0.296 ms vs 0.468 ms (1.58x); 64 MiB: 0.305 vs 0.250 ms
+(0.82x, slower). Below ~128 MiB an eager p2p call costs a flat ~0.25-0.30 ms of host launch time
+(three Triton launches); the same call replayed from a CUDA graph takes 0.017 ms at 64 KiB and
+beats NCCL at every measured size (1.5-3.3x). Caveats: the reference backend that takes the
+smaller messages is itself slower than p2p at every size (3.3-3.8 ms up to 64 MiB vs 0.25-0.31
+ms), so this gate only pays off where smaller messages go to a plain bf16 all-reduce instead;
+compensated p2p calls at P=2 are slower than NCCL bf16 at every size (0.66-0.80x); P=4 is
+unmeasured."""
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -135,6 +145,8 @@ class P2PBackend:
         self._err = flags.new_error_buffer(True)
         self._err_np = self._err.numpy()
         self._ws: dict = {}
+        self.stage_events: list | None = None
+        """Benchmarks only: four torch.cuda.Event recorded around entry, reduce and tail."""
         self._select_symm_backend()
 
     def _select_symm_backend(self) -> None:
@@ -178,9 +190,18 @@ class P2PBackend:
                                                                    self.use_timer),
                                  use_timer=self.use_timer, num_warps=self.num_warps)
         y = torch.empty_like(x)
+        ev = self.stage_events
+        if ev:
+            ev[0].record()
         plan.entry()
+        if ev:
+            ev[1].record()
         self._with_timer_fallback(plan, plan.reduce)
+        if ev:
+            ev[2].record()
         self._with_timer_fallback(plan, lambda: plan.tail(y))
+        if ev:
+            ev[3].record()
         return y, None
 
     def close(self) -> None:
