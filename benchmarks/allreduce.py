@@ -6,7 +6,9 @@ Per message size (bf16 bytes per GPU) and method: warm-up, then `iters` back-to-
 each bracketed by CUDA events; the median per rank, the max over ranks reported. Methods:
 nccl16 (dist.all_reduce, in place), ref4/ref8 (reference backend, uncompensated), p2p8/p2p4
 (uncompensated), p2p4c-out / p2p4c-loc (4-bit compensated, residual output / local),
-p2p4-graph (p2p4 replayed from a CUDA graph, small sizes). Bus
+p2p4-graph (p2p4 replayed from a CUDA graph, small sizes), auto4 / auto4c (EchoCommunicator
+with backend='auto', 4-bit uncompensated / compensated (local): what a user gets, the dispatch
+picking p2p or the plain bf16 all-reduce per size). Bus
 bandwidth uses bf16-equivalent bytes: 2 (P-1)/P * bytes / time (the nccl-tests convention).
 Writes allreduce_P{P}.json and allreduce_P{P}.md to --out.
 """
@@ -27,7 +29,8 @@ import torch.multiprocessing as mp
 MB = 1 << 20
 SIZES = [64 << 10, 256 << 10, MB, 4 * MB, 16 * MB, 64 * MB, 128 * MB, 256 * MB, 512 * MB,
          1024 * MB]
-METHODS = ("nccl16", "ref4", "p2p8", "p2p4", "p2p4c-out", "p2p4c-loc", "p2p4-graph")
+METHODS = ("nccl16", "ref4", "p2p8", "p2p4", "p2p4c-out", "p2p4c-loc", "p2p4-graph", "auto4",
+           "auto4c")
 GRAPH_MAX_BYTES = 64 * MB
 """p2p4-graph (one uncompensated call captured in a CUDA graph, replayed) up to this size:
 it shows how much of the small-message time is host launch overhead."""
@@ -165,8 +168,11 @@ def bench_worker(rank: int, world: int, sizes=SIZES, methods=METHODS, iters: int
     from echo_tp.collective.reference import DistTransport
     from echo_tp.compensator import CompState
     from echo_tp.config import EchoConfig
+    from echo_tp.communicator import EchoCommunicator
     p2p = P2PBackend(None, min_bytes=0, **p2p_kwargs)
     ref = TransportBackend(DistTransport(None))
+    autos = {"auto4": EchoCommunicator.from_group(None, EchoConfig(bits=4, eta=0.0)),
+             "auto4c": EchoCommunicator.from_group(None, EchoConfig(bits=4, residual="local"))}
     rows = []
     broken: set = set()      # methods that failed on some rank: skipped for the other sizes
 
@@ -202,6 +208,10 @@ def bench_worker(rank: int, world: int, sizes=SIZES, methods=METHODS, iters: int
                     with torch.cuda.graph(graph):
                         p2p.run(x, cfg, state=None, backward=False, record=False)
                     fn = graph.replay
+                elif method in autos:
+                    comm = autos[method]
+                    comm.new_pass()
+                    fn = lambda: comm.all_reduce(x)   # noqa: E731
                 elif method.startswith("ref"):
                     cfg = EchoConfig(bits=int(method[3:]), eta=0.0)
                     fn = lambda: ref.run(x, cfg, state=None, backward=False, record=False)  # noqa
@@ -219,6 +229,8 @@ def bench_worker(rank: int, world: int, sizes=SIZES, methods=METHODS, iters: int
             if agree(err):
                 try:
                     row = {"bytes": nbytes, "method": method, "ms": _time(fn, iters, warmup)}
+                    if method in autos:
+                        row["backend"] = autos[method].dispatcher.last_backend
                     if stages and method in STAGE_METHODS and nbytes >= STAGE_MIN_BYTES:
                         row["stages_ms"] = stage_times(p2p, x, cfg, state,
                                                        iters=max(5, iters // 2))
@@ -245,12 +257,15 @@ def summarize(per_rank: list[list[dict]], world: int) -> list[dict]:
     """Max over ranks of the per-rank medians; speedup vs nccl16; bf16-equivalent bus GB/s."""
     table: dict = {}
     stages: dict = {}
+    picked: dict = {}
     for rows in per_rank:
         for r in rows:
             if "ms" not in r:            # failed: listed by errors()
                 continue
             key = (r["bytes"], r["method"])
             table[key] = max(table.get(key, 0.0), r["ms"])
+            if "backend" in r:
+                picked[key] = r["backend"]
             for k, v in r.get("stages_ms", {}).items():
                 stages.setdefault(key, {})[k] = max(stages.get(key, {}).get(k, 0.0), v)
     out = []
@@ -261,6 +276,8 @@ def summarize(per_rank: list[list[dict]], world: int) -> list[dict]:
                "busbw_GBps": 2 * (world - 1) / world * nbytes / (ms * 1e-3) / 1e9}
         if (nbytes, method) in stages:
             row["stages_ms"] = stages[(nbytes, method)]
+        if (nbytes, method) in picked:
+            row["backend"] = picked[(nbytes, method)]
         out.append(row)
     return out
 
@@ -276,7 +293,8 @@ def markdown(rows: list[dict], world: int, header: str = "") -> str:
         for m in methods:
             r = cell.get((s, m))
             vals.append("-" if r is None else
-                        f"{r['ms']:.3f}" + (f" ({r['speedup']:.2f}x)" if r["speedup"] else ""))
+                        f"{r['ms']:.3f}" + (f" ({r['speedup']:.2f}x)" if r["speedup"] else "")
+                        + (f" [{r['backend']}]" if "backend" in r else ""))
         label = f"{s >> 20} MB" if s >= MB else f"{s >> 10} KB"
         lines.append(f"| {label} | " + " | ".join(vals) + " |")
     return "\n".join(lines)

@@ -56,3 +56,18 @@ def flag_timeout_s() -> float:
 def backend() -> str:
     """ECHO_BACKEND: 'auto' (default), 'reference' or 'p2p' for communicators built with 'auto'."""
     return _choice("ECHO_BACKEND", "auto", ("auto", "reference", "p2p"))
+
+
+def p2p_min_bytes() -> int | None:
+    """ECHO_P2P_MIN_BYTES: messages of at least this many bytes per rank take the p2p path under
+    'auto', whatever the measured crossover table says (unset: the table)."""
+    v = os.environ.get("ECHO_P2P_MIN_BYTES")
+    if v is None or v == "":
+        return None
+    try:
+        out = int(v)
+    except ValueError:
+        raise ValueError(f"ECHO_P2P_MIN_BYTES={v!r}: expected a whole number of bytes") from None
+    if out < 0:
+        raise ValueError(f"ECHO_P2P_MIN_BYTES={v!r}: expected >= 0")
+    return out

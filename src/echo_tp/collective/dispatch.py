@@ -2,6 +2,11 @@
 does runs it, ending at the torch.distributed reference, which takes everything. Backends that
 cannot run at all (no GPU, no peer access, multi-node) disable themselves at construction and
 log the reason once.
+
+'auto' on an intra-node GPU group: p2p (fused kernels) for calls where it was measured faster
+than NCCL's bf16 all-reduce (p2p.crossover_bytes), else the plain bf16 all-reduce (`PlainBackend`:
+never slower than NCCL, and exact), else the reference. Elsewhere (CPU/gloo, multi-node) the
+quantized reference runs every call.
 """
 from __future__ import annotations
 
@@ -34,6 +39,36 @@ class TransportBackend:
             record: bool) -> tuple[torch.Tensor, StepRecord | None]:
         return compensated_all_reduce(x, cfg, self.transport, state=state, backward=backward,
                                       record=record)
+
+    def close(self) -> None:
+        pass
+
+
+class PlainBackend:
+    """The plain all-reduce in the input dtype for GPU calls the fast path declines (a message
+    below its measured crossover, or a config it loses on). No rounding beyond the dtype's own,
+    so no error is injected: the compensator state is left as it is, and the corrections it
+    holds are applied at the next quantized site."""
+
+    name = "plain"
+
+    def __init__(self, group: dist.ProcessGroup | None):
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self._logged = False
+
+    def should_use(self, x: torch.Tensor, cfg: EchoConfig) -> bool:
+        return x.is_cuda
+
+    def run(self, x, cfg, *, state, backward, record):
+        if cfg.quantized and not self._logged:
+            self._logged = True
+            log.info("echo-tp: %d-bit calls below the p2p crossover use the plain bf16 "
+                     "all-reduce (faster there); backend='p2p' forces the quantized path",
+                     cfg.bits)
+        y = x.clone()
+        dist.all_reduce(y, group=self.group)
+        return y, None
 
     def close(self) -> None:
         pass
@@ -72,6 +107,8 @@ def build_dispatcher(group: dist.ProcessGroup | None, backend: str = "auto") -> 
         fast = _try_p2p(group, strict=backend == "p2p")
         if fast is not None:
             backends.append(fast)
+            if backend == "auto":
+                backends.append(PlainBackend(group))
     backends.append(ref)
     return Dispatcher(backends, ref.world_size)
 
@@ -84,7 +121,7 @@ def _try_p2p(group, strict: bool):
     else:
         reason = p2p_unavailable_reason(group)
         if reason is None:
-            return P2PBackend(group)
+            return P2PBackend(group, min_bytes=0 if strict else None)
     if strict:
         raise RuntimeError(f"backend='p2p' requested but unavailable: {reason}")
     log.info("echo-tp: p2p backend disabled: %s", reason)

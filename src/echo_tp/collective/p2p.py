@@ -35,19 +35,31 @@ from .reference import DistTransport
 
 log = logging.getLogger(__name__)
 
-CROSSOVER_BYTES = 128 << 20
-"""Messages smaller than this (bytes per rank) go to the reference backend.
+CROSSOVER: dict[tuple[int, bool], int | None] = {
+    # (P, compensated) -> smallest message (bytes per rank) from which an eager p2p call beats
+    # NCCL's bf16 all-reduce by >= 5% at every larger measured size; None: never measured faster.
+    # 2026-11-29, 2 H200s, NVLink (docs/results/2026-11-29-p2p-x2.md): uncompensated 4-bit
+    # 1.58x at 128 MiB, 0.82x at 64 MiB (below ~128 MiB an eager call costs a flat ~0.25-0.30 ms
+    # of host launch time); compensated 0.66-0.80x at every size (fp32 m1/m2 traffic).
+    (2, False): 128 << 20,
+    (2, True): None,
+}
+"""Unmeasured P use P=2's entries (NCCL's own cost grows with P, so this errs on NCCL's side).
+Inside CUDA graph capture the launch cost is gone: uncompensated calls take p2p at every size
+(1.5-3.3x NCCL measured up to 64 MiB). ECHO_P2P_MIN_BYTES overrides the table."""
 
-Measured 2026-11-29 on 2 H200s (NVLink, P=2; docs/results/2026-11-29-p2p-x2.md): the smallest
-size from which p2p 4-bit (eager calls, uncompensated) beats NCCL's bf16 all-reduce by >= 5% at
-every larger measured size. 128 MiB: 0.296 ms vs 0.468 ms (1.58x); 64 MiB: 0.305 vs 0.250 ms
-(0.82x, slower). Below ~128 MiB an eager p2p call costs a flat ~0.25-0.30 ms of host launch time
-(three Triton launches); the same call replayed from a CUDA graph takes 0.017 ms at 64 KiB and
-beats NCCL at every measured size (1.5-3.3x). Caveats: the reference backend that takes the
-smaller messages is itself slower than p2p at every size (3.3-3.8 ms up to 64 MiB vs 0.25-0.31
-ms), so this gate only pays off where smaller messages go to a plain bf16 all-reduce instead;
-compensated p2p calls at P=2 are slower than NCCL bf16 at every size (0.66-0.80x); P=4 is
-unmeasured."""
+
+def crossover_bytes(world_size: int, compensated: bool) -> int | None:
+    """The message size from which 'auto' takes the p2p path (None: never)."""
+    forced = envs.p2p_min_bytes()
+    if forced is not None:
+        return forced
+    if compensated is False and torch.cuda.is_available() and \
+            torch.cuda.is_current_stream_capturing():
+        return 0
+    return CROSSOVER.get((world_size, compensated), CROSSOVER[(2, compensated)])
+
+
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -128,7 +140,7 @@ class P2PBackend:
     name = "p2p"
 
     def __init__(self, group: dist.ProcessGroup | None = None, *,
-                 min_bytes: int = CROSSOVER_BYTES, tile_elems: int | None = None,
+                 min_bytes: int | None = None, tile_elems: int | None = None,
                  num_warps: int = 8):
         from ..kernels import allreduce_kernels as ak
         from ..kernels import flags
@@ -139,6 +151,7 @@ class P2PBackend:
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.transport = DistTransport(group)        # grad-scale MAX; record=True calls
         self.min_bytes = min_bytes
+        """Fixed gate for every call (benchmarks, backend='p2p': 0); None: crossover_bytes."""
         self.tile_elems = tile_elems or ak.TILE_ELEMS
         self.num_warps = num_warps
         self.use_timer = True                         # %globaltimer; poll count if it fails
@@ -164,11 +177,18 @@ class P2PBackend:
             self.symm_backend = None
 
     # ----- dispatcher interface -----
-    def should_use(self, x: torch.Tensor, cfg: EchoConfig) -> bool:
+    def supports(self, x: torch.Tensor, cfg: EchoConfig) -> bool:
+        """Whether the kernels can run this call at all (any size)."""
         return (cfg.bits in (4, 8) and x.is_cuda and x.device == self.device
                 and x.dtype in DTYPES and cfg.state_dtype == "float32"
-                and x.dim() == 1 and x.is_contiguous()
-                and x.numel() * x.element_size() >= self.min_bytes)
+                and x.dim() == 1 and x.is_contiguous())
+
+    def should_use(self, x: torch.Tensor, cfg: EchoConfig) -> bool:
+        if not self.supports(x, cfg):
+            return False
+        gate = self.min_bytes if self.min_bytes is not None else \
+            crossover_bytes(self.world_size, cfg.compensated)
+        return gate is not None and x.numel() * x.element_size() >= gate
 
     def run(self, x: torch.Tensor, cfg: EchoConfig, *, state: CompState | None, backward: bool,
             record: bool) -> tuple[torch.Tensor, StepRecord | None]:

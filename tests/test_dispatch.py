@@ -1,0 +1,39 @@
+"""Backend dispatch on the CPU: the measured p2p crossover table and its override, and what
+'auto' / 'p2p' / 'reference' build on a gloo group (p2p disables itself with a reason; asking
+for it explicitly is a clear error). The GPU side (auto never slower than NCCL) is measured in
+benchmarks/allreduce.py. Look first at collective/dispatch.build_dispatcher when this fails."""
+import pytest
+import torch.distributed as dist
+
+from echo_tp.collective import p2p
+from echo_tp.collective.dispatch import build_dispatcher
+
+
+def test_crossover_table(monkeypatch):
+    monkeypatch.delenv("ECHO_P2P_MIN_BYTES", raising=False)
+    assert p2p.crossover_bytes(2, False) == 128 << 20
+    assert p2p.crossover_bytes(2, True) is None            # compensated lost at every size
+    assert p2p.crossover_bytes(4, False) == p2p.crossover_bytes(2, False)  # unmeasured P
+    monkeypatch.setenv("ECHO_P2P_MIN_BYTES", "0")
+    assert p2p.crossover_bytes(2, True) == 0
+    monkeypatch.setenv("ECHO_P2P_MIN_BYTES", "lots")
+    with pytest.raises(ValueError, match="ECHO_P2P_MIN_BYTES"):
+        p2p.crossover_bytes(2, False)
+
+
+@pytest.fixture
+def gloo_world():
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_auto_on_cpu_is_the_reference(gloo_world, monkeypatch):
+    monkeypatch.delenv("ECHO_BACKEND", raising=False)
+    d = build_dispatcher(None, "auto")
+    assert [b.name for b in d.backends] == ["reference"]
+    with pytest.raises(RuntimeError, match="p2p.*unavailable"):
+        build_dispatcher(None, "p2p")
+    with pytest.raises(ValueError):
+        build_dispatcher(None, "fastest")
