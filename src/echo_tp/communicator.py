@@ -45,6 +45,7 @@ class EchoCommunicator:
         self.passes = {d: PassState() for d in DIRECTIONS}
         self.telemetry = Telemetry() if telemetry else None
         self._configs: dict[int, EchoConfig] = {}
+        self._debug_checks = envs.debug_checks()
 
     @classmethod
     def from_group(cls, group: dist.ProcessGroup | None = None, config: EchoConfig | None = None,
@@ -89,10 +90,12 @@ class EchoCommunicator:
         return cfg
 
     def all_reduce(self, x: torch.Tensor, *, direction: str = "forward",
-                   bits: int | None = None) -> torch.Tensor:
-        """Sum of x over the group (a new tensor, x's shape and dtype), with Echo compensation.
+                   bits: int | None = None, inplace: bool = False) -> torch.Tensor:
+        """Sum of x over the group (x's shape and dtype), with Echo compensation.
 
-        `bits` overrides the config's width for this site (per-site policies)."""
+        `bits` overrides the config's width for this site (per-site policies). `inplace=True`
+        lets a plain (16-bit) all-reduce reuse x's storage (saves a copy; the caller must not
+        need x afterwards); quantized calls always return a new tensor."""
         _check_direction(direction)
         self._check_input(x)
         cfg = self.config_for(bits)
@@ -102,7 +105,7 @@ class EchoCommunicator:
         flat = self._flatten(x)
         if flat.shape[-1] == 0:
             return x.clone()
-        if envs.debug_checks() and not self.simulated:
+        if self._debug_checks and not self.simulated:
             check_same_shape(flat, self.group)
         state = None
         if cfg.compensated:
@@ -110,7 +113,8 @@ class EchoCommunicator:
             state = ps.get(flat.shape[-1], tuple(flat.shape[:-1]), flat.device, sdtype)
         record = self.telemetry is not None and cfg.quantized
         y, rec = self.dispatcher.run(flat, cfg, state=state, backward=direction == "backward",
-                                     record=record)
+                                     record=record, inplace=inplace and flat.data_ptr() ==
+                                     x.data_ptr() and x.is_contiguous())
         if self.telemetry is not None:
             self.telemetry.record(direction=direction, site=site, bits=cfg.bits, x=flat, y=y,
                                   rec=rec, simulated=self.simulated)

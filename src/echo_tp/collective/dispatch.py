@@ -36,7 +36,10 @@ class TransportBackend:
         return True
 
     def run(self, x: torch.Tensor, cfg: EchoConfig, *, state: CompState | None, backward: bool,
-            record: bool) -> tuple[torch.Tensor, StepRecord | None]:
+            record: bool, inplace: bool = False) -> tuple[torch.Tensor, StepRecord | None]:
+        if inplace and not cfg.quantized and isinstance(self.transport, DistTransport):
+            dist.all_reduce(x, group=self.transport.group)
+            return x, None
         return compensated_all_reduce(x, cfg, self.transport, state=state, backward=backward,
                                       record=record)
 
@@ -60,13 +63,13 @@ class PlainBackend:
     def should_use(self, x: torch.Tensor, cfg: EchoConfig) -> bool:
         return x.is_cuda
 
-    def run(self, x, cfg, *, state, backward, record):
+    def run(self, x, cfg, *, state, backward, record, inplace=False):
         if cfg.quantized and not self._logged:
             self._logged = True
             log.info("echo-tp: %d-bit calls below the p2p crossover use the plain bf16 "
                      "all-reduce (faster there); backend='p2p' forces the quantized path",
                      cfg.bits)
-        y = x.clone()
+        y = x if inplace else x.clone()
         dist.all_reduce(y, group=self.group)
         return y, None
 
@@ -82,11 +85,12 @@ class Dispatcher:
         self.world_size = world_size
         self.last_backend: str | None = None
 
-    def run(self, x, cfg, *, state, backward, record):
+    def run(self, x, cfg, *, state, backward, record, inplace=False):
         for b in self.backends:
             if b.should_use(x, cfg):
                 self.last_backend = b.name
-                return b.run(x, cfg, state=state, backward=backward, record=record)
+                return b.run(x, cfg, state=state, backward=backward, record=record,
+                             inplace=inplace)
         raise RuntimeError("no backend accepted the call")  # the last backend takes everything
 
     def close(self) -> None:

@@ -50,13 +50,11 @@ Inside CUDA graph capture the launch cost is gone: uncompensated calls take p2p 
 
 
 def crossover_bytes(world_size: int, compensated: bool) -> int | None:
-    """The message size from which 'auto' takes the p2p path (None: never)."""
+    """The message size from which 'auto' takes the p2p path outside graph capture (None:
+    never); ECHO_P2P_MIN_BYTES overrides the table."""
     forced = envs.p2p_min_bytes()
     if forced is not None:
         return forced
-    if compensated is False and torch.cuda.is_available() and \
-            torch.cuda.is_current_stream_capturing():
-        return 0
     return CROSSOVER.get((world_size, compensated), CROSSOVER[(2, compensated)])
 
 
@@ -152,6 +150,8 @@ class P2PBackend:
         self.transport = DistTransport(group)        # grad-scale MAX; record=True calls
         self.min_bytes = min_bytes
         """Fixed gate for every call (benchmarks, backend='p2p': 0); None: crossover_bytes."""
+        self._gate = {c: min_bytes if min_bytes is not None else
+                      crossover_bytes(self.world_size, c) for c in (False, True)}
         self.tile_elems = tile_elems or ak.TILE_ELEMS
         self.num_warps = num_warps
         self.use_timer = True                         # %globaltimer; poll count if it fails
@@ -186,12 +186,15 @@ class P2PBackend:
     def should_use(self, x: torch.Tensor, cfg: EchoConfig) -> bool:
         if not self.supports(x, cfg):
             return False
-        gate = self.min_bytes if self.min_bytes is not None else \
-            crossover_bytes(self.world_size, cfg.compensated)
-        return gate is not None and x.numel() * x.element_size() >= gate
+        gate = self._gate[cfg.compensated]
+        if gate is None or x.numel() * x.element_size() < gate:
+            # inside CUDA graph capture the launch cost is gone: uncompensated p2p wins at any size
+            return self.min_bytes is None and not cfg.compensated and \
+                torch.cuda.is_current_stream_capturing()
+        return True
 
     def run(self, x: torch.Tensor, cfg: EchoConfig, *, state: CompState | None, backward: bool,
-            record: bool) -> tuple[torch.Tensor, StepRecord | None]:
+            record: bool, inplace: bool = False) -> tuple[torch.Tensor, StepRecord | None]:
         self._raise_if_error()
         if record:   # telemetry needs the unfused intermediates: same numbers, reference path
             return compensated_all_reduce(x, cfg, self.transport, state=state,

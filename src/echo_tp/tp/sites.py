@@ -64,7 +64,10 @@ class Site:
     index: int
 
     def forward_reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        return self.tp.comm.all_reduce(partial, direction="forward", bits=self.tp.bits(self.index))
+        # the partial (a row-parallel matmul output) is dead after the sum: outside autograd a
+        # plain all-reduce may reuse its storage
+        return self.tp.comm.all_reduce(partial, direction="forward", bits=self.tp.bits(self.index),
+                                       inplace=not partial.requires_grad)
 
     def backward_reduce(self, grad: torch.Tensor) -> torch.Tensor:
         return self.tp.comm.all_reduce(grad, direction="backward", bits=self.tp.bits(self.index))
