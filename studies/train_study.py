@@ -64,7 +64,7 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=330.0, help="wall time for training")
     ap.add_argument("--gpus", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None, help="skip calibration")
-    ap.add_argument("--demo-steps", type=int, default=1500)
+    ap.add_argument("--demo-steps", type=int, default=1500, help="0: no demo model")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run of the whole script")
     ap.add_argument("--contention", type=float, default=1.6,
                     help="slow-down of a run when GPUs host several runs at once")
@@ -94,19 +94,21 @@ def main() -> None:
         procs.append((name, subprocess.Popen(cmd, env=env, stdout=open(a.out / f"{name}.txt", "w"),
                                              stderr=subprocess.STDOUT)))
     d = DEMO
-    demo_cmd = train_cmd(model=d["model"], comm=d["comm"], steps=a.demo_steps, seq=d["seq"],
-                         batch=d["batch"], lr=d["lr"], data=a.data, out=a.out / "demo-model",
-                         simulate=1, eval_every=max(1, a.demo_steps // 5))
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(len(RUNS) % gpus)}
-    procs.append(("demo-model", subprocess.Popen(demo_cmd, env=env,
-                                                 stdout=open(a.out / "demo-model.txt", "w"),
-                                                 stderr=subprocess.STDOUT)))
+    if a.demo_steps:
+        demo_cmd = train_cmd(model=d["model"], comm=d["comm"], steps=a.demo_steps, seq=d["seq"],
+                             batch=d["batch"], lr=d["lr"], data=a.data, out=a.out / "demo-model",
+                             simulate=1, eval_every=max(1, a.demo_steps // 5))
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(len(RUNS) % gpus)}
+        procs.append(("demo-model", subprocess.Popen(demo_cmd, env=env,
+                                                     stdout=open(a.out / "demo-model.txt", "w"),
+                                                     stderr=subprocess.STDOUT)))
     status = {name: p.wait() for name, p in procs}
     summary = {"model": MODEL, "steps": steps, "seq_len": SEQ, "batch_size": BATCH, "lr": LR,
                "warmup": min(WARMUP, steps // 10), "simulated_tp": 4, "gpus": gpus,
                "seconds": time.time() - t0, "runs": {}}
     import csv
-    for name, comm, f in RUNS + [("demo-model", DEMO["comm"], 1.0)]:
+    extra = [("demo-model", DEMO["comm"], 1.0)] if a.demo_steps else []
+    for name, comm, f in RUNS + extra:
         log = a.out / name / "log.csv"
         if status[name] != 0 or not log.exists():
             summary["runs"][name] = {"comm": comm, "failed": status[name]}
