@@ -8,8 +8,8 @@ from echo_tp.demo import PPL_CONFIGS, DemoShape, perplexity, run
 def test_demo_orders_the_configs():
     res = run(world_size=4, shape=DemoShape(sites=24, tokens=8, hidden=512), progress=False)
     plain4 = res["4-bit (no compensation)"]
-    for mode in ("output", "local"):
-        echo = res[f"Echo 4-bit ({mode} residual)"]
+    for name in ("Echo 4-bit (paper: output, eta .75)", "Echo 4-bit (default: local, eta 1)"):
+        echo = res[name]
         assert echo["max_partial_sum"] < 0.6 * plain4["max_partial_sum"]
         assert echo["final_deviation"] < 0.6 * plain4["final_deviation"]
     assert res["8-bit"]["final_deviation"] < 0.2 * plain4["final_deviation"]
@@ -21,7 +21,7 @@ def test_demo_cli_writes_plot(tmp_path, capsys):
     assert cli.main(["demo", "--world-size", "2", "--sites", "4", "--tokens", "4", "--hidden",
                      "256", "--out", str(out), "--no-progress", "--no-model"]) == 0
     assert out.stat().st_size > 1000
-    assert "Echo 4-bit (local residual)" in capsys.readouterr().out
+    assert "Echo 4-bit (default: local, eta 1)" in capsys.readouterr().out
 
 
 def test_demo_perplexity_table_runs_on_the_heldout_sample():

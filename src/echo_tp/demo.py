@@ -24,14 +24,14 @@ from .launch import run_ranks
 ASSETS = Path(__file__).resolve().parent / "assets"
 DEMO_MODEL = ASSETS / "models" / "demo-8k"
 HELDOUT_TEXT = ASSETS / "text" / "heldout_rowlandson.txt"
-PPL_CONFIGS = ["16", "8", "4", "echo4:residual=output", "echo4:residual=local"]
+PPL_CONFIGS = ["16", "8", "4", "echo4:residual=output,eta=0.75", "echo4"]
 
 DEMO_CONFIGS = {
     "16-bit": EchoConfig(bits=16),
     "8-bit": EchoConfig(bits=8, eta=0.0),
     "4-bit (no compensation)": EchoConfig(bits=4, eta=0.0),
-    "Echo 4-bit (output residual)": EchoConfig(bits=4, residual="output"),
-    "Echo 4-bit (local residual)": EchoConfig(bits=4, residual="local"),
+    "Echo 4-bit (paper: output, eta .75)": EchoConfig(bits=4, residual="output", eta=0.75),
+    "Echo 4-bit (default: local, eta 1)": EchoConfig(bits=4),
 }
 
 
@@ -101,10 +101,11 @@ def run(*, world_size: int = 4, shape: DemoShape = DemoShape(), names: list[str]
 
 
 def format_table(results: dict) -> str:
-    head = f"{'config':<30} {'final dev |S_N|/|sum|':>22} {'max_t |S_t|':>12} {'mean |rho|':>11}"
+    w = max(len(n) for n in results)
+    head = f"{'config':<{w}} {'final dev |S_N|/|sum|':>22} {'max_t |S_t|':>12} {'mean |rho|':>11}"
     lines = [head, "-" * len(head)]
     for name, r in results.items():
-        lines.append(f"{name:<30} {r['final_deviation']:>22.3e} {r['max_partial_sum']:>12.3f} "
+        lines.append(f"{name:<{w}} {r['final_deviation']:>22.3e} {r['max_partial_sum']:>12.3f} "
                      f"{r['mean_abs_rho']:>11.4f}")
     return "\n".join(lines)
 
