@@ -117,17 +117,7 @@ def ceilings(rank: int, world: int, nbytes: int = 1 << 30, iters: int = 10) -> d
     b = torch.empty_like(a)
 
     def med(fn):
-        for _ in range(2):
-            fn()
-        torch.cuda.synchronize()
-        dist.barrier()
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
-        ev[0].record()
-        for i in range(iters):
-            fn()
-            ev[i + 1].record()
-        torch.cuda.synchronize()
-        return statistics.median(ev[i].elapsed_time(ev[i + 1]) for i in range(iters))
+        return _time(fn, iters, 2)
 
     ms = med(lambda: b.copy_(a))
     out["d2d_copy_GBps"] = 2 * nbytes / (ms * 1e-3) / 1e9

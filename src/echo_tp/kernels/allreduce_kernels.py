@@ -56,6 +56,20 @@ def _x_prime(x_ptr, m1_ptr, m2_ptr, e, emask, eta, a, oma, X_KIND: tl.constexpr,
 
 
 @triton.jit
+def _x_scaled(x_ptr, m1_ptr, m2_ptr, fs_ptr, e, emask, eta, a, oma, X_KIND: tl.constexpr,
+              COMP: tl.constexpr, SCALED: tl.constexpr):
+    """_x_prime, plus xs = x' * 2^e and f = 2^e under backward scaling (xs = x', f = 1 else)."""
+    xp, m1, m2 = _x_prime(x_ptr, m1_ptr, m2_ptr, e, emask, eta, a, oma, X_KIND, COMP)
+    if SCALED:
+        f = tl.load(fs_ptr)
+        xs = xp * f
+    else:
+        f = tl.full([], 1.0, tl.float32)
+        xs = xp
+    return xp, m1, m2, xs, f
+
+
+@triton.jit
 def _update(m1_ptr, m2_ptr, e, emask, m1, m2, u, b1, omb1, b2, omb2):
     """m1 = m1*beta1 + u*(1-beta1); m2 = m2*beta2 + u*(1-beta2) at element ids e."""
     tl.store(m1_ptr + e, m1 * b1 + u * omb1, mask=emask)
@@ -143,12 +157,8 @@ def entry_kernel(x_ptr, m1_ptr, m2_ptr, fs_ptr, epoch_ptr, table_ptr,
     gmask = grp < groups
     e = j.to(tl.int64) * seg + grp[:, None] * GS + tl.arange(0, GS)[None, :]   # [BG, GS]
     emask = gmask[:, None] & (e < n)
-    xp, m1, m2 = _x_prime(x_ptr, m1_ptr, m2_ptr, e, emask, eta, a, oma, X_KIND, COMP)
-    if SCALED:
-        f = tl.load(fs_ptr)
-        xs = xp * f
-    else:
-        xs = xp
+    xp, m1, m2, xs, f = _x_scaled(x_ptr, m1_ptr, m2_ptr, fs_ptr, e, emask, eta, a, oma, X_KIND,
+                                  COMP, SCALED)
     s16, sf, z16, zf, finite = _group_params(xs, QUANT, LEVELS, QMAX)
     q = _codes(xs, sf, zf, finite, QUANT, LEVELS, QMAX)
     peer = _buffer(table_ptr, j)
@@ -182,12 +192,8 @@ def reduce_kernel(x_ptr, m1_ptr, m2_ptr, fs_ptr, epoch_ptr, table_ptr,
     gmask = grp < groups
     e = tl.full([], RANK, tl.int64) * seg + grp[:, None] * GS + tl.arange(0, GS)[None, :]
     emask = gmask[:, None] & (e < n)
-    xp, m1, m2 = _x_prime(x_ptr, m1_ptr, m2_ptr, e, emask, eta, a, oma, X_KIND, COMP)
-    if SCALED:
-        f = tl.load(fs_ptr)
-        xs = xp * f
-    else:
-        xs = xp
+    xp, m1, m2, xs, f = _x_scaled(x_ptr, m1_ptr, m2_ptr, fs_ptr, e, emask, eta, a, oma, X_KIND,
+                                  COMP, SCALED)
     ok = epoch == epoch
     for r in tl.static_range(P):
         if r != RANK:
