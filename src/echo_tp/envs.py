@@ -53,6 +53,12 @@ def flag_timeout_s() -> float:
     return _float("ECHO_FLAG_TIMEOUT_S", 5.0)
 
 
+def collective_timeout_s() -> float:
+    """ECHO_COLLECTIVE_TIMEOUT_S: seconds a gloo rank started by echo_tp.launch waits on a peer
+    in any collective before failing (instead of hanging)."""
+    return _float("ECHO_COLLECTIVE_TIMEOUT_S", 300.0)
+
+
 def backend() -> str:
     """ECHO_BACKEND: 'auto' (default), 'reference' or 'p2p' for communicators built with 'auto'."""
     return _choice("ECHO_BACKEND", "auto", ("auto", "reference", "p2p"))

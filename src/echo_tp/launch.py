@@ -26,7 +26,11 @@ def _worker(rank, world_size, port, outdir, fn, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    from datetime import timedelta
+
+    from . import envs
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=envs.collective_timeout_s()))
     try:
         result = ("ok", fn(rank, world_size, *args))
     except BaseException:  # noqa: BLE001 - report any failure to the parent
