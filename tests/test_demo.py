@@ -29,3 +29,15 @@ def test_demo_perplexity_table_runs_on_the_heldout_sample():
     rows = perplexity(model="qwen3-demo-8k", max_windows=2, context=64, progress=False)
     assert [r["label"] for r in rows] == PPL_CONFIGS
     assert all(r["ppl"] > 1 for r in rows)
+
+
+def test_shipped_model_ranks_the_configs():
+    # the trained demo model on its held-out text: 8-bit within 0.1% of 16-bit, and both Echo
+    # settings recover part of what uncompensated 4-bit loses (numbers:
+    # docs/results/2026-11-29-cpu-demo.md)
+    ppl = {r["label"]: r["ppl"] for r in perplexity(max_windows=24, progress=False)}
+    assert abs(ppl["8"] / ppl["16"] - 1) < 1e-3
+    gap = ppl["4"] - ppl["16"]
+    assert gap > 0
+    for echo in ("echo4:residual=output,eta=0.75", "echo4"):
+        assert ppl[echo] < ppl["4"] - 0.3 * gap, (echo, ppl)
