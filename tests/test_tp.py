@@ -32,7 +32,7 @@ from harness import run_ranks
 CASES = {  # name -> (preset, ModelConfig overrides, world sizes it runs at)
     "llama": ("tiny-llama", {}, (2,)),
     "llama-bias": ("tiny-llama", {"attention_bias": True}, (2,)),
-    "qwen3": ("tiny-qwen3", {}, (2, 4)),
+    "qwen3": ("tiny-qwen3", {}, (2, 4, 8)),  # at 8: kv heads replicated over 2 ranks
     "qwen3-kv2": ("tiny-qwen3", {"n_kv_heads": 2}, (4,)),  # kv heads replicated over 2 ranks
 }
 QUANT_CONFIGS = [dict(bits=4), dict(bits=8, residual="local")]
@@ -92,7 +92,7 @@ def _worker(rank, world_size):
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["P2", "P4"])
+@pytest.fixture(scope="module", params=[2, 4, 8], ids=["P2", "P4", "P8"])
 def world(request):
     return request.param, run_ranks(request.param, _worker)
 
