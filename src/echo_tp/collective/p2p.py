@@ -158,6 +158,7 @@ class P2PBackend:
         self._err = flags.new_error_buffer(True)
         self._err_np = self._err.numpy()
         self._ws: dict = {}
+        self._timeouts: dict[bool, int] = {}
         self.stage_events: list | None = None
         """Benchmarks only: four torch.cuda.Event recorded around entry, reduce and tail."""
         self._select_symm_backend()
@@ -209,8 +210,7 @@ class P2PBackend:
             fs = grad_scale(self._ak.local_amax(x, state, cfg), self.transport)   # [1]
         plan = self._ak.CallPlan(rank=self.rank, lay=ws.lay, cfg=cfg, x=x, state=state, fs=fs,
                                  epoch=ws.epoch, table=ws.table,
-                                 timeout=self._flags.timeout_units(envs.flag_timeout_s(),
-                                                                   self.use_timer),
+                                 timeout=self._timeout_units(),
                                  use_timer=self.use_timer, num_warps=self.num_warps)
         y = torch.empty_like(x)
         ev = self.stage_events
@@ -226,6 +226,14 @@ class P2PBackend:
         if ev:
             ev[3].record()
         return y, None
+
+    def _timeout_units(self) -> int:
+        """ECHO_FLAG_TIMEOUT_S in the kernels' units, read once per timer mode."""
+        units = self._timeouts.get(self.use_timer)
+        if units is None:
+            units = self._timeouts[self.use_timer] = self._flags.timeout_units(
+                envs.flag_timeout_s(), self.use_timer)
+        return units
 
     def close(self) -> None:
         self._ws.clear()

@@ -21,7 +21,7 @@ launched in order entry(all ranks), reduce(all), tail(all) find every flag alrea
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -335,8 +335,15 @@ class CallPlan:
     timeout: int
     use_timer: bool
     num_warps: int = 4
+    _parts: tuple | None = field(default=None, repr=False)
 
     def _common(self):
+        """Launch arguments shared by the three kernels, built once per call (host time)."""
+        if self._parts is None:
+            self._parts = self._build_common()
+        return self._parts
+
+    def _build_common(self):
         cfg, lay, x = self.cfg, self.lay, self.x
         spec = cfg.quant_spec()
         k = CompensatorConstants.from_config(cfg)
