@@ -5,8 +5,10 @@ the same fresh random inputs through P2PBackend and through the reference Transp
 (collective/qar.py over DistTransport) with separate compensator states, three calls in a row,
 and compares bit for bit: y, m1, m2 (NaN matches NaN; no other tolerance). Cases cover bf16 and
 fp16, bits 4/8, the three policies, both residual modes, no compensation, odd sizes and
-backward power-of-two scaling; one case replays a captured CUDA graph. Skipped without 2 GPUs;
-the availability check itself also runs on the CPU.
+backward power-of-two scaling; one case replays a captured CUDA graph. A second test runs two
+process groups side by side on the same GPUs (interleaved calls) and a soak of 10^5 small calls
+(ECHO_SOAK_CALLS): bit-stable outputs, one epoch per call, no memory growth. Skipped without 2
+GPUs; the availability check itself also runs on the CPU.
 
 When it fails, look first at: the case and tensor named in the message; a mismatch only in
 cases of one policy -> quant_kernels._group_params against quant.group_params (divisions must
@@ -167,3 +169,60 @@ def test_p2p_bit_identical_to_nccl_reference(world):
         assert "error" not in rows[0], f"rank {rank}: p2p unavailable: {rows[0]}"
         bad = [r for r in rows if r["y"] or r["m1"] or r["m2"]]
         assert not bad, f"rank {rank}: mismatching elements {bad}"
+
+
+def _soak_fn(rank: int, world: int, calls: int):
+    """Two NCCL groups over the same GPUs, each with its own P2PBackend (own workspaces, flags,
+    signal pads), calls interleaved; then `calls` small calls on one backend. Returns mismatch
+    counts against the reference, the epoch counter (flags grow by one per call, never wrap at
+    int64) and the allocated-memory growth over the soak."""
+    import torch.distributed as dist
+
+    from echo_tp.collective.dispatch import TransportBackend
+    from echo_tp.collective.p2p import P2PBackend
+    from echo_tp.collective.reference import DistTransport
+    from echo_tp.config import EchoConfig
+    for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                 ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ.setdefault(k, v)
+    torch.cuda.set_device(rank)
+    groups = [dist.new_group(backend="nccl") for _ in range(2)]
+    p2ps = [P2PBackend(g, min_bytes=0) for g in groups]
+    ref = TransportBackend(DistTransport(groups[0]))
+    cfg = EchoConfig(bits=4, eta=0.0)
+    out = {"two_groups": 0, "soak": 0}
+    for call in range(20):                        # interleaved: A, B, A, B, ...
+        x = _input(300_007, "bfloat16", rank, seed=500 + call, backward=False)
+        want, _ = ref.run(x, cfg, state=None, backward=False, record=False)
+        for p in p2ps:
+            y, _ = p.run(x, cfg, state=None, backward=False, record=False)
+            out["two_groups"] += _mismatch(y, want)
+    x = _input(32_768, "bfloat16", rank, seed=9, backward=False)   # 64 KiB
+    want, _ = ref.run(x, cfg, state=None, backward=False, record=False)
+    p = p2ps[0]
+    y, _ = p.run(x, cfg, state=None, backward=False, record=False)
+    torch.cuda.synchronize()
+    mem0 = torch.cuda.memory_allocated()
+    for call in range(calls):
+        y, _ = p.run(x, cfg, state=None, backward=False, record=False)
+        if call % 10_000 == 0:
+            out["soak"] += _mismatch(y, want)
+    torch.cuda.synchronize()
+    out["soak"] += _mismatch(y, want)
+    out["mem_growth"] = torch.cuda.memory_allocated() - mem0
+    out["epochs"] = [int(ws.epoch.item()) for ws in p._ws.values()]
+    for q in p2ps:
+        q.check_error()
+        q.close()
+    return out
+
+
+def test_two_groups_and_soak():
+    if torch.cuda.device_count() < 2:
+        pytest.skip(NEEDS.format(2))
+    calls = int(os.environ.get("ECHO_SOAK_CALLS", 100_000))
+    for rank, r in enumerate(run_ranks(2, _soak_fn, calls, timeout=900)):
+        assert r["two_groups"] == 0 and r["soak"] == 0, (rank, r)
+        assert r["mem_growth"] == 0, (rank, r)
+        # one workspace per size: 20 interleaved calls, and 1 warm-up + the soak
+        assert sorted(r["epochs"]) == sorted([20, calls + 1]), (rank, r)
