@@ -272,3 +272,21 @@ def test_layout_alignment():
     assert lay.tiles * lay.bg >= lay.groups > (lay.tiles - 1) * lay.bg
     with pytest.raises(ValueError, match="power of two"):
         ak.Layout.build(1000, 2, spec, tile_elems=384)
+
+
+@pytest.mark.parametrize("residual", ["output", "local"])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_reference_qar_with_kernel_codec_is_bit_identical(residual, bits):
+    """On CUDA the reference QAR quantizes with these kernels (qar.codec_for): same y and state
+    as with quant.py, over two compensated calls of P=4 virtual ranks."""
+    cfg = EchoConfig(bits=bits, residual=residual)
+    t = SimTransport(4)
+    states = {name: CompState.zeros((4, 1000), "cpu") for name in ("torch", "kernels")}
+    for call in range(2):
+        g = torch.Generator().manual_seed(4242 + call)
+        x = (torch.randn(4, 1000, generator=g) * 3).to(torch.bfloat16)
+        y_t, _ = compensated_all_reduce(x, cfg, t, state=states["torch"], codec=quant)
+        y_k, _ = compensated_all_reduce(x, cfg, t, state=states["kernels"], codec=qk)
+        assert_bits_equal(y_k, y_t, f"y call {call}")
+        assert_bits_equal(states["kernels"].m1, states["torch"].m1, f"m1 call {call}")
+        assert_bits_equal(states["kernels"].m2, states["torch"].m2, f"m2 call {call}")

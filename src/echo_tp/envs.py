@@ -43,6 +43,12 @@ def force_reference() -> bool:
     return _bool("ECHO_FORCE_REFERENCE", False)
 
 
+def torch_quant() -> bool:
+    """ECHO_TORCH_QUANT: the reference QAR quantizes with quant.py even on CUDA (default: the
+    bit-identical Triton kernels there)."""
+    return _bool("ECHO_TORCH_QUANT", False)
+
+
 def debug_checks() -> bool:
     """ECHO_DEBUG_CHECKS: every call all-gathers (numel, dtype) to catch ranks that disagree."""
     return _bool("ECHO_DEBUG_CHECKS", False)

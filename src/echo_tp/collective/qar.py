@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from .. import quant
+from .. import envs, quant
 from ..compensator import CompState, correction, output_residual, update_
 from ..config import CompensatorConstants, EchoConfig, QuantSpec
 
@@ -62,25 +62,40 @@ class QAROut:
     sent_err: torch.Tensor   # [*B, P, seg] fp32, x'_j - decode(encode(x'_j)); own slot unused
 
 
-def qar(xq: torch.Tensor, spec: QuantSpec, t: Transport) -> QAROut:
-    """xq fp32 [*B, N] -> QAROut. Each element is quantized at most twice."""
+def codec_for(x: torch.Tensor):
+    """The group quantizer implementation for x's device: the Triton kernels on CUDA (one pass,
+    bit-identical to quant.py: tests/test_kernels.py, and on GPUs docs/results), quant.py
+    elsewhere or with ECHO_TORCH_QUANT=1. Both expose encode(x, spec) and decode(packet, spec)."""
+    if x.is_cuda and not envs.torch_quant():
+        try:
+            from ..kernels import quant_kernels
+        except ImportError:  # no triton: the torch reference
+            return quant
+        return quant_kernels
+    return quant
+
+
+def qar(xq: torch.Tensor, spec: QuantSpec, t: Transport, codec=None) -> QAROut:
+    """xq fp32 [*B, N] -> QAROut. Each element is quantized at most twice.
+    codec: quant (the reference) or kernels.quant_kernels; default codec_for(xq)."""
+    codec = codec or codec_for(xq)
     P = t.world_size
     n = xq.shape[-1]
     seg = segment_len(n, P, spec.group_size)
     xpad = F.pad(xq, (0, P * seg - n)).reshape(*xq.shape[:-1], P, seg)
     # 1. quantize every segment (the own one is never used), send segment j to owner j
-    packets = quant.encode(xpad, spec)
-    sent_err = xpad - quant.decode(packets, spec)
+    packets = codec.encode(xpad, spec)
+    sent_err = xpad - codec.decode(packets, spec)
     recv = t.all_to_all(quant.to_bytes(packets))
-    contrib = quant.decode(quant.from_bytes(recv, seg, spec), spec)      # [*B, P(sender), seg]
+    contrib = codec.decode(quant.from_bytes(recv, seg, spec), spec)      # [*B, P(sender), seg]
     # 2. owner sum in fp32, in rank order, the own segment unquantized
     contrib = t.replace_own(contrib, t.own(xpad))
     acc = contrib[..., 0, :]
     for r in range(1, P):
         acc = acc + contrib[..., r, :]
     # 3. requantize once, all-gather, everyone (owner included) decodes the same codes
-    gathered = t.all_gather(quant.to_bytes(quant.encode(acc, spec)))
-    y32 = quant.decode(quant.from_bytes(gathered, seg, spec), spec)
+    gathered = t.all_gather(quant.to_bytes(codec.encode(acc, spec)))
+    y32 = codec.decode(quant.from_bytes(gathered, seg, spec), spec)
     return QAROut(y32=y32, acc=acc, sent_err=sent_err)
 
 
@@ -107,7 +122,8 @@ class StepRecord:
 
 def compensated_all_reduce(x: torch.Tensor, cfg: EchoConfig, t: Transport, *,
                            state: CompState | None, backward: bool = False,
-                           record: bool = False) -> tuple[torch.Tensor, StepRecord | None]:
+                           record: bool = False,
+                           codec=None) -> tuple[torch.Tensor, StepRecord | None]:
     """x [*B, N] (bf16/fp16/fp32) -> y [*B, N] in x's dtype; updates state in place.
 
     Unfused equivalent of the fused p2p kernels: c from state, x' = x + c, optional power-of-two
@@ -123,7 +139,7 @@ def compensated_all_reduce(x: torch.Tensor, cfg: EchoConfig, t: Transport, *,
     c = correction(state, k).to(torch.float32) if state is not None else None
     xp = xf + c if c is not None else xf
     f = grad_scale(xp, t) if backward and cfg.grad_scaling else None
-    out = qar(xp * f if f is not None else xp, spec, t)
+    out = qar(xp * f if f is not None else xp, spec, t, codec)
     seg = out.y32.shape[-1]
     y32 = out.y32.reshape(*x.shape[:-1], P * seg)
     if f is not None:
