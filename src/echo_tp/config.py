@@ -6,7 +6,10 @@ policy, compensator gains and the residual mode. `QuantSpec` is the part the qua
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import struct
+from types import SimpleNamespace
 from dataclasses import dataclass
 
 QUANTIZERS = ("zero_aware", "naive", "symmetric")
@@ -116,7 +119,7 @@ class EchoConfig:
     def quant_spec(self) -> QuantSpec:
         if not self.quantized:
             raise ValueError("bits=16 has no quantizer")
-        return QuantSpec(bits=self.bits, group_size=self.group_size, quantizer=self.quantizer)
+        return _quant_spec(self.bits, self.group_size, self.quantizer)
 
     def replace(self, **changes) -> "EchoConfig":
         return dataclasses.replace(self, **changes)
@@ -157,14 +160,27 @@ class CompensatorConstants:
 
     @classmethod
     def from_config(cls, cfg: EchoConfig) -> "CompensatorConstants":
-        import struct
+        return _constants(cfg.eta, cfg.a, cfg.beta1, cfg.beta2)
 
+    @classmethod
+    def _build(cls, cfg) -> "CompensatorConstants":
         def f32(v: float) -> float:
             return struct.unpack("f", struct.pack("f", v))[0]
 
         return cls(eta=f32(cfg.eta), a=f32(cfg.a), one_minus_a=f32(1.0 - cfg.a),
                    beta1=f32(cfg.beta1), one_minus_beta1=f32(1.0 - cfg.beta1),
                    beta2=f32(cfg.beta2), one_minus_beta2=f32(1.0 - cfg.beta2))
+
+
+@functools.lru_cache(maxsize=256)
+def _quant_spec(bits: int, group_size: int, quantizer: str) -> QuantSpec:
+    return QuantSpec(bits=bits, group_size=group_size, quantizer=quantizer)
+
+
+@functools.lru_cache(maxsize=256)
+def _constants(eta: float, a: float, beta1: float, beta2: float) -> CompensatorConstants:
+    """Built once per coefficient set: every call of the collective needs them."""
+    return CompensatorConstants._build(SimpleNamespace(eta=eta, a=a, beta1=beta1, beta2=beta2))
 
 
 __all__ = ["EchoConfig", "QuantSpec", "CompensatorConstants", "QUANTIZERS", "RESIDUAL_MODES",

@@ -18,17 +18,22 @@ def _bool(name: str, default: bool) -> bool:
     raise ValueError(f"{name}={v!r}: expected one of 1/0/true/false/yes/no/on/off")
 
 
-def _float(name: str, default: float) -> float:
+def _number(name: str, default, cast, ok, expected: str):
+    """The flag parsed by cast and checked by ok; ValueError naming `expected` otherwise."""
     v = os.environ.get(name)
     if v is None or v == "":
         return default
     try:
-        out = float(v)
+        out = cast(v)
     except ValueError:
-        raise ValueError(f"{name}={v!r}: expected a number") from None
-    if not out > 0:
-        raise ValueError(f"{name}={v!r}: expected a positive number")
+        raise ValueError(f"{name}={v!r}: expected {expected}") from None
+    if not ok(out):
+        raise ValueError(f"{name}={v!r}: expected {expected}")
     return out
+
+
+def _float(name: str, default: float) -> float:
+    return _number(name, default, float, lambda v: v > 0, "a positive number")
 
 
 def _choice(name: str, default: str, choices: tuple[str, ...]) -> str:
@@ -73,13 +78,5 @@ def backend() -> str:
 def p2p_min_bytes() -> int | None:
     """ECHO_P2P_MIN_BYTES: messages of at least this many bytes per rank take the p2p path under
     'auto', whatever the measured crossover table says (unset: the table)."""
-    v = os.environ.get("ECHO_P2P_MIN_BYTES")
-    if v is None or v == "":
-        return None
-    try:
-        out = int(v)
-    except ValueError:
-        raise ValueError(f"ECHO_P2P_MIN_BYTES={v!r}: expected a whole number of bytes") from None
-    if out < 0:
-        raise ValueError(f"ECHO_P2P_MIN_BYTES={v!r}: expected >= 0")
-    return out
+    return _number("ECHO_P2P_MIN_BYTES", None, int, lambda v: v >= 0,
+                   "a whole number of bytes >= 0")

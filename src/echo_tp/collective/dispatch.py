@@ -37,9 +37,8 @@ class TransportBackend:
 
     def run(self, x: torch.Tensor, cfg: EchoConfig, *, state: CompState | None, backward: bool,
             record: bool, inplace: bool = False) -> tuple[torch.Tensor, StepRecord | None]:
-        if inplace and not cfg.quantized and isinstance(self.transport, DistTransport):
-            dist.all_reduce(x, group=self.transport.group)
-            return x, None
+        if not cfg.quantized:
+            return self.transport.all_sum(x, inplace=inplace), None
         return compensated_all_reduce(x, cfg, self.transport, state=state, backward=backward,
                                       record=record)
 
@@ -56,8 +55,8 @@ class PlainBackend:
     name = "plain"
 
     def __init__(self, group: dist.ProcessGroup | None):
-        self.group = group
-        self.world_size = dist.get_world_size(group)
+        self.transport = DistTransport(group)
+        self.world_size = self.transport.world_size
         self._logged = False
 
     def should_use(self, x: torch.Tensor, cfg: EchoConfig) -> bool:
@@ -69,9 +68,7 @@ class PlainBackend:
             log.info("echo-tp: %d-bit calls below the p2p crossover use the plain bf16 "
                      "all-reduce (faster there); backend='p2p' forces the quantized path",
                      cfg.bits)
-        y = x if inplace else x.clone()
-        dist.all_reduce(y, group=self.group)
-        return y, None
+        return self.transport.all_sum(x, inplace=inplace), None
 
     def close(self) -> None:
         pass

@@ -46,8 +46,9 @@ class Transport(Protocol):
     def all_max(self, t: torch.Tensor) -> torch.Tensor:
         """[*B] -> [*B]: group-wide maximum (one scalar per rank)."""
 
-    def all_sum(self, x: torch.Tensor) -> torch.Tensor:
-        """[*B, N] -> [*B, N]: the plain 16-bit all-reduce, in x's dtype."""
+    def all_sum(self, x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+        """[*B, N] -> [*B, N]: the plain 16-bit all-reduce, in x's dtype (inplace: x's storage
+        may be reused)."""
 
 
 def segment_len(numel: int, world_size: int, group_size: int) -> int:

@@ -44,7 +44,7 @@ class DistTransport:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return t
 
-    def all_sum(self, x: torch.Tensor) -> torch.Tensor:
-        y = x.clone()
+    def all_sum(self, x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+        y = x if inplace else x.clone()
         dist.all_reduce(y, group=self.group)
         return y

@@ -41,8 +41,9 @@ class SimTransport:
     def all_max(self, t: torch.Tensor) -> torch.Tensor:
         return t.amax(dim=0, keepdim=True).expand_as(t)
 
-    def all_sum(self, x: torch.Tensor) -> torch.Tensor:
-        # the plain all-reduce: fp32 sum in rank order, cast back to x's dtype
+    def all_sum(self, x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+        # the plain all-reduce: fp32 sum in rank order, cast back to x's dtype (always a new
+        # tensor: inplace is only a permission)
         acc = x[0].to(torch.float32)
         for r in range(1, self.world_size):
             acc = acc + x[r].to(torch.float32)
