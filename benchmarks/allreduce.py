@@ -4,11 +4,13 @@
 
 Per message size (bf16 bytes per GPU) and method: warm-up, then `iters` back-to-back calls
 each bracketed by CUDA events; the median per rank, the max over ranks reported. Methods:
-nccl16 (dist.all_reduce, in place), ref4/ref8 (reference backend, uncompensated), p2p8/p2p4
-(uncompensated), p2p4c-out / p2p4c-loc (4-bit compensated, residual output / local),
-p2p4-graph (p2p4 replayed from a CUDA graph, small sizes), auto4 / auto4c (EchoCommunicator
-with backend='auto', 4-bit uncompensated / compensated (local): what a user gets, the dispatch
-picking p2p or the plain bf16 all-reduce per size). Bus
+nccl16 (dist.all_reduce, in place), oneshot16 (the 16-bit one-shot kernel, in place, small
+sizes), ref4/ref8 (reference backend, uncompensated), p2p8/p2p4 (uncompensated, one fused
+kernel per call), p2p4-staged (the same as three stage kernels), p2p4c-out / p2p4c-loc (4-bit
+compensated, residual output / local; -staged: three kernels), p2p4-graph (p2p4 replayed from a
+CUDA graph, small sizes), auto4 / auto4c (EchoCommunicator with backend='auto', 4-bit
+uncompensated / compensated (local), in place like nccl16: what a TP layer gets, the dispatch
+picking one-shot, p2p or the plain bf16 all-reduce per size). Bus
 bandwidth uses bf16-equivalent bytes: 2 (P-1)/P * bytes / time (the nccl-tests convention).
 Writes allreduce_P{P}.json and allreduce_P{P}.md to --out.
 """
@@ -29,8 +31,10 @@ import torch.multiprocessing as mp
 MB = 1 << 20
 SIZES = [64 << 10, 256 << 10, MB, 4 * MB, 16 * MB, 64 * MB, 128 * MB, 256 * MB, 512 * MB,
          1024 * MB]
-METHODS = ("nccl16", "ref4", "p2p8", "p2p4", "p2p4c-out", "p2p4c-loc", "p2p4-graph", "auto4",
-           "auto4c")
+METHODS = ("nccl16", "oneshot16", "ref4", "p2p8", "p2p4", "p2p4-staged", "p2p4c-out",
+           "p2p4c-loc", "p2p4c-loc-staged", "p2p4-graph", "auto4", "auto4c")
+ONESHOT_MAX_BYTES = 64 * MB
+"""oneshot16 (the 16-bit one-shot kernel) is timed up to this size."""
 GRAPH_MAX_BYTES = 64 * MB
 """p2p4-graph (one uncompensated call captured in a CUDA graph, replayed) up to this size:
 it shows how much of the small-message time is host launch overhead."""
@@ -145,7 +149,7 @@ def ceilings(rank: int, world: int, nbytes: int = 1 << 30, iters: int = 10) -> d
     return out
 
 
-STAGE_METHODS = ("p2p8", "p2p4", "p2p4c-out", "p2p4c-loc")
+STAGE_METHODS = ("p2p4-staged", "p2p4c-loc-staged")
 STAGE_MIN_BYTES = 64 * MB
 
 
@@ -159,8 +163,15 @@ def bench_worker(rank: int, world: int, sizes=SIZES, methods=METHODS, iters: int
     from echo_tp.compensator import CompState
     from echo_tp.config import EchoConfig
     from echo_tp.communicator import EchoCommunicator
+    from echo_tp.collective.oneshot import OneShotBackend
     p2p = P2PBackend(None, min_bytes=0, **p2p_kwargs)
+    staged = P2PBackend(None, min_bytes=0, fused=False,
+                        **{k: v for k, v in p2p_kwargs.items() if k != "programs_per_sm"}) \
+        if any(m.endswith("-staged") for m in methods) else None
+    one = OneShotBackend(None, cap_bytes=min(max(sizes), ONESHOT_MAX_BYTES)) \
+        if "oneshot16" in methods else None
     ref = TransportBackend(DistTransport(None))
+    by_pps: dict = {}
     autos = {"auto4": EchoCommunicator.from_group(None, EchoConfig(bits=4, eta=0.0)),
              "auto4c": EchoCommunicator.from_group(None, EchoConfig(bits=4, residual="local"))}
     rows = []
@@ -185,6 +196,8 @@ def bench_worker(rank: int, world: int, sizes=SIZES, methods=METHODS, iters: int
             state = None
             if method == "p2p4-graph" and nbytes > GRAPH_MAX_BYTES:
                 continue
+            if method == "oneshot16" and nbytes > ONESHOT_MAX_BYTES:
+                continue
             err = None
             try:                                      # set-up and one call (compiles)
                 if method == "nccl16":
@@ -198,20 +211,33 @@ def bench_worker(rank: int, world: int, sizes=SIZES, methods=METHODS, iters: int
                     with torch.cuda.graph(graph):
                         p2p.run(x, cfg, state=None, backward=False, record=False)
                     fn = graph.replay
+                elif method == "oneshot16":
+                    buf = x.clone()
+                    fn = lambda: one.run(buf, None, state=None, backward=False,  # noqa: E731
+                                         record=False, inplace=True)
                 elif method in autos:
                     comm = autos[method]
                     comm.new_pass()
-                    fn = lambda: comm.all_reduce(x)   # noqa: E731
+                    buf = x.clone()
+                    fn = lambda: comm.all_reduce(buf, inplace=True)   # noqa: E731
                 elif method.startswith("ref"):
                     cfg = EchoConfig(bits=int(method[3:]), eta=0.0)
                     fn = lambda: ref.run(x, cfg, state=None, backward=False, record=False)  # noqa
                 else:
                     bits = int(method[3])
                     comp = method.startswith("p2p4c")
+                    be = staged if method.endswith("-staged") else p2p
+                    if "@pps" in method:          # launch-shape variant: programs per SM
+                        pps = int(method.split("@pps")[1])
+                        if pps not in by_pps:
+                            by_pps[pps] = P2PBackend(None, min_bytes=0, programs_per_sm=pps,
+                                                     **p2p_kwargs)
+                        be = by_pps[pps]
                     cfg = EchoConfig(bits=bits, eta=0.75 if comp else 0.0,
-                                     residual="local" if method.endswith("loc") else "output")
+                                     residual="local" if "-loc" in method else "output")
                     state = CompState.zeros(n, "cuda") if comp else None
-                    fn = lambda: p2p.run(x, cfg, state=state, backward=False, record=False)  # noqa
+                    fn = lambda: be.run(x, cfg, state=state, backward=False,  # noqa: E731
+                                        record=False)
                 fn()
                 torch.cuda.synchronize()
             except Exception:  # noqa: BLE001 - report it, keep the other methods
@@ -222,7 +248,7 @@ def bench_worker(rank: int, world: int, sizes=SIZES, methods=METHODS, iters: int
                     if method in autos:
                         row["backend"] = autos[method].dispatcher.last_backend
                     if stages and method in STAGE_METHODS and nbytes >= STAGE_MIN_BYTES:
-                        row["stages_ms"] = stage_times(p2p, x, cfg, state,
+                        row["stages_ms"] = stage_times(staged, x, cfg, state,
                                                        iters=max(5, iters // 2))
                 except Exception:  # noqa: BLE001
                     err = traceback.format_exc()[-1500:]
@@ -235,11 +261,15 @@ def bench_worker(rank: int, world: int, sizes=SIZES, methods=METHODS, iters: int
                 print(f"[bench P{world} rank{rank}] {row}", flush=True)
             del state
         torch.cuda.empty_cache()
-    try:
-        p2p.check_error()
-    except Exception:  # noqa: BLE001
-        rows.append({"bytes": 0, "method": "check_error", "error": traceback.format_exc()[-1500:]})
-    p2p.close()
+    for be in (p2p, staged, one, *by_pps.values()):
+        if be is None:
+            continue
+        try:
+            be.check_error()
+        except Exception:  # noqa: BLE001
+            rows.append({"bytes": 0, "method": "check_error",
+                         "error": traceback.format_exc()[-1500:]})
+        be.close()
     return rows
 
 
@@ -274,7 +304,7 @@ def summarize(per_rank: list[list[dict]], world: int) -> list[dict]:
 
 def markdown(rows: list[dict], world: int, header: str = "") -> str:
     sizes = sorted({r["bytes"] for r in rows})
-    methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
+    methods = list(dict.fromkeys(r["method"] for r in rows))
     cell = {(r["bytes"], r["method"]): r for r in rows}
     lines = [f"### P={world} all-reduce, bf16 bytes per GPU: ms (speedup vs NCCL)", header, "",
              "| size | " + " | ".join(methods) + " |", "|---" * (len(methods) + 1) + "|"]
@@ -323,11 +353,35 @@ def crossover(rows: list[dict], method: str = "p2p4", margin: float = 0.0) -> in
     return best
 
 
+def plot(rows: list[dict], world: int, path: str, title: str = "") -> None:
+    """Speedup over NCCL vs message size, one line per method."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for m in dict.fromkeys(r["method"] for r in rows):
+        pts = sorted((r["bytes"], r["speedup"]) for r in rows
+                     if r["method"] == m and r.get("speedup"))
+        if pts and m != "nccl16":
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.axhline(0.95, color="k", lw=0.5, ls=":")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("bf16 bytes per GPU")
+    ax.set_ylabel("speedup over NCCL bf16 all-reduce")
+    ax.set_title(title or f"P={world}")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(world: int = 4, out: str = "out", iters: int = 50, max_mb: int = 1024,
-         budget_s: float = 1e9) -> list[dict]:
+         budget_s: float = 1e9, methods: tuple = METHODS) -> list[dict]:
     os.environ.update(SAFE_ENV)
     sizes = [s for s in SIZES if s <= max_mb * MB]
-    per_rank = spawn_nccl(world, bench_worker, sizes, METHODS, iters, 5, time.time() + budget_s)
+    per_rank = spawn_nccl(world, bench_worker, sizes, methods, iters, 5, time.time() + budget_s)
     rows = summarize(per_rank, world)
     os.makedirs(out, exist_ok=True)
     meta = {"world": world, "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0),
@@ -337,7 +391,14 @@ def main(world: int = 4, out: str = "out", iters: int = 50, max_mb: int = 1024,
     md = markdown(rows, world, f"{meta['gpu']}, torch {meta['torch']}, {meta['date']}")
     with open(os.path.join(out, f"allreduce_P{world}.md"), "w") as f:
         f.write(md + "\n")
+    try:
+        plot(rows, world, os.path.join(out, f"allreduce_P{world}.png"),
+             f"P={world}, {meta['gpu']}, {meta['date']}")
+    except Exception as e:  # noqa: BLE001 - the table is the record; the plot is a view
+        print(f"plot failed: {e}")
     print(md)
+    for e in errors(per_rank):
+        print("ERROR", e)
     return rows
 
 
@@ -347,8 +408,12 @@ def cli() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--max-mb", type=int, default=1024)
+    ap.add_argument("--budget-s", type=float, default=1e9)
+    ap.add_argument("--methods", default=",".join(METHODS),
+                    help="comma-separated; p2p methods take an @ppsK suffix (K programs per SM "
+                         "for the fused kernel)")
     a = ap.parse_args()
-    main(a.world, a.out, a.iters, a.max_mb)
+    main(a.world, a.out, a.iters, a.max_mb, a.budget_s, tuple(a.methods.split(",")))
 
 
 if __name__ == "__main__":

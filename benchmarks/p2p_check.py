@@ -65,7 +65,8 @@ def _adversarial(groups: int, g: int, seed: int):
 # ----------------------------------------------------------------------------- phases
 
 def phase_compile(args) -> dict:
-    """Build entry/reduce/tail for sm_90 without a GPU; report resources and FMA count."""
+    """Build entry/reduce/tail and the fused kernel for sm_90 without a GPU; report resources
+    and FMA count."""
     import re
     import subprocess as sp
     import tempfile
@@ -79,7 +80,7 @@ def phase_compile(args) -> dict:
     from echo_tp.kernels import quant_kernels as qk
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
     types = dict(x_ptr="*bf16", y_ptr="*bf16", m1_ptr="*fp32", m2_ptr="*fp32", fs_ptr="*fp32",
-                 epoch_ptr="*i64", table_ptr="*i64", timeout="i64", eta="fp32", a="fp32",
+                 epoch_ptr="*i64", epochs_ptr="*i64", table_ptr="*i64", timeout="i64", eta="fp32", a="fp32",
                  oma="fp32", b1="fp32", omb1="fp32", b2="fp32", omb2="fp32")
     div16 = {"seg", "slot", "scale_off", "zero_off", "flags_off", "n"}
     out = []
@@ -91,7 +92,9 @@ def phase_compile(args) -> dict:
         for fn, consts in ((ak.entry_kernel, dict(common, **quant)),
                            (ak.reduce_kernel, dict(common, **quant, USE_TIMER=True)),
                            (ak.tail_kernel, dict(common, PF=4.0, OUTPUT=not local,
-                                                 USE_TIMER=True))):
+                                                 USE_TIMER=True)),
+                           (ak.fused_kernel, dict(common, **quant, PF=4.0, OUTPUT=not local,
+                                                  USE_TIMER=True))):
             sig = {a: "constexpr" if a in consts else types.get(a, "i32") for a in fn.arg_names}
             attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
                      if a not in consts and (sig[a].startswith("*") or a in div16)}
@@ -214,7 +217,10 @@ def _multi_worker(rank, world, cases, sizes, deadline, tile_elems, num_warps, va
     out = {"exact": [], "bench": [], "variants": [], "ceilings": {}}
     t0 = time.time()
     try:
-        out["exact"] = test_p2p_gpu.exactness_worker(rank, world, cases)
+        out["exact"] = test_p2p_gpu.exactness_worker(rank, world, cases, fused=True)
+        staged = test_p2p_gpu.exactness_worker(rank, world, cases[::3], fused=False,
+                                               graph=False)
+        out["exact"] += [dict(r, case=f"staged {r['case']}") for r in staged]
     except Exception:  # noqa: BLE001 - keep going: the timings are still worth having
         out["exact"] = [{"error": traceback.format_exc()[-2500:]}]
         print(f"[exact rank{rank}] ERROR {out['exact'][0]['error']}", flush=True)

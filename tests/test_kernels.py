@@ -216,32 +216,40 @@ def test_missing_peer_times_out_with_rank_stage_tile():
         sim(x, EchoConfig(bits=4, eta=0.0), state=None, stages=("reduce",))
 
 
-def _concurrent_rank(rank, P, bufs, errs, xs, ys, m1s, m2s, cfg):
-    """One simulated rank in its own process: consecutive calls, no barrier between them."""
+def _concurrent_rank(rank, P, bufs, errs, xs, ys, m1s, m2s, cfg, programs):
+    """One simulated rank in its own process: consecutive calls, no barrier between them.
+    programs=0: the three stage kernels (host-bumped epoch); else the fused kernel with that
+    many programs (per-program epochs)."""
     torch.set_num_threads(1)
     lay = ak.Layout.build(xs.shape[-1], P, cfg.quant_spec(), tile_elems=256)
     table = torch.tensor([b.data_ptr() for b in bufs] + [errs[rank].data_ptr()])
-    epoch = torch.zeros(1, dtype=torch.int64)
+    epoch = torch.zeros(max(1, programs), dtype=torch.int64)
     state = CompState(m1s[rank], m2s[rank])
     for call in range(xs.shape[0]):
-        epoch.add_(1)
+        if not programs:
+            epoch.add_(1)
         plan = ak.CallPlan(rank=rank, lay=lay, cfg=cfg, x=xs[call, rank], state=state, fs=None,
                            epoch=epoch, table=table, timeout=300_000, use_timer=False)
         time.sleep(0.6 if rank == call % P else 0.0)          # one rank pushes late,
+        if programs:
+            plan.fused(ys[call, rank], programs)
+            continue
         plan.entry()
         time.sleep(0.6 if rank == (call + 1) % P else 0.0)    # another reduces late
         plan.reduce()
         plan.tail(ys[call, rank])
 
 
-@pytest.mark.parametrize("P,residual", [(2, "local"), (3, "output")])
-def test_fused_ranks_in_concurrent_processes(P, residual):
+@pytest.mark.parametrize("P,residual,programs", [(2, "local", 0), (3, "output", 0),
+                                                 (2, "output", 2), (3, "local", 1)])
+def test_fused_ranks_in_concurrent_processes(P, residual, programs):
     """The flag protocol with real concurrency: P processes share their buffers (as symmetric
     memory would), each runs 3 calls back to back; every wait must see its peer's data and no
-    rank may overwrite a slot a slower peer still reads."""
+    rank may overwrite a slot a slower peer still reads. programs > 0: the single fused kernel,
+    each program looping over several tiles (4-5 tiles here)."""
     import torch.multiprocessing as mp
     cfg = EchoConfig(bits=4, residual=residual)
-    calls, n = 3, 1000
+    calls, n = 3, 1000 if not programs else 2300
     lay = ak.Layout.build(n, P, cfg.quant_spec(), tile_elems=256)
     bufs = [torch.randint(0, 256, (lay.nbytes,), dtype=torch.uint8).share_memory_()
             for _ in range(P)]
@@ -252,7 +260,7 @@ def test_fused_ranks_in_concurrent_processes(P, residual):
                       for c in range(calls)]).share_memory_()
     ys = torch.empty_like(xs).share_memory_()
     m1s, m2s = torch.zeros(P, n).share_memory_(), torch.zeros(P, n).share_memory_()
-    mp.start_processes(_concurrent_rank, args=(P, bufs, errs, xs, ys, m1s, m2s, cfg),
+    mp.start_processes(_concurrent_rank, args=(P, bufs, errs, xs, ys, m1s, m2s, cfg, programs),
                        nprocs=P, start_method="spawn")
     for r in range(P):
         assert describe_error(errs[r]) is None, describe_error(errs[r])

@@ -73,7 +73,7 @@ def _input(n, dtype, rank, seed, backward):
 
 
 def exactness_worker(rank: int, world: int, cases=CASES, calls: int = 3, group=None,
-                     graph: bool = True) -> list[dict]:
+                     graph: bool = True, fused: bool | None = None) -> list[dict]:
     """On one rank: every case through p2p and the reference; mismatch counts per tensor."""
     from echo_tp.collective.dispatch import TransportBackend
     from echo_tp.collective.p2p import P2PBackend, p2p_unavailable_reason
@@ -83,7 +83,7 @@ def exactness_worker(rank: int, world: int, cases=CASES, calls: int = 3, group=N
     reason = p2p_unavailable_reason(group)
     if reason is not None:
         return [{"error": reason}]
-    p2p = P2PBackend(group, min_bytes=0)
+    p2p = P2PBackend(group, min_bytes=0, fused=fused)
     calls = int(os.environ.get("ECHO_TEST_CALLS", calls))
     ref = TransportBackend(DistTransport(group))
     out = []
@@ -110,11 +110,36 @@ def exactness_worker(rank: int, world: int, cases=CASES, calls: int = 3, group=N
     if graph:
         out.append(_graph_case(p2p, ref, rank))
         print(f"[exact P{world} rank{rank}] {out[-1]}", flush=True)
+    out.append(_oneshot_case(group, rank, world))
+    print(f"[exact P{world} rank{rank}] {out[-1]}", flush=True)
     out.append({"case": "info", "symm_backend": str(p2p.symm_backend), "use_timer": p2p.use_timer,
-                "y": 0, "m1": 0, "m2": 0})
+                "fused": p2p.fused, "y": 0, "m1": 0, "m2": 0})
     p2p.check_error()
     p2p.close()
     return out
+
+
+def _oneshot_case(group, rank: int, world: int) -> dict:
+    """The 16-bit one-shot kernel against its reference (all-gather, sum in rank order in fp32,
+    one rounding) on fresh inputs of several sizes and dtypes, in place and not."""
+    import torch.distributed as dist
+
+    from echo_tp.collective.oneshot import OneShotBackend
+    from echo_tp.kernels.oneshot_kernels import oneshot_reference
+    one = OneShotBackend(group, cap_bytes=4 << 20)
+    row = {"case": "oneshot16", "y": 0, "m1": 0, "m2": 0}
+    for k, (n, dtype) in enumerate([(1, "bfloat16"), (4097, "float16"), (1 << 20, "bfloat16"),
+                                    (300_001, "float32"), (2 << 20, "bfloat16")]):
+        x = _input(n, dtype, rank, seed=900 + k, backward=False) if n > 2200 else \
+            torch.randn(n, device="cuda").to(getattr(torch, dtype))
+        parts = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(parts, x, group=group)
+        want = oneshot_reference(parts)
+        y, _ = one.run(x, None, state=None, backward=False, record=False, inplace=k % 2 == 1)
+        row["y"] += _mismatch(y, want)
+    one.check_error()
+    one.close()
+    return row
 
 
 def _graph_case(p2p, ref, rank: int) -> dict:
@@ -141,14 +166,14 @@ def _graph_case(p2p, ref, rank: int) -> dict:
     return row
 
 
-def _ranks_fn(rank: int, world: int, cases):
+def _ranks_fn(rank: int, world: int, cases, fused: bool = True):
     import torch.distributed as dist
     for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                  ("NVSHMEM_DISABLE_NVLS", "1")):
         os.environ.setdefault(k, v)
     torch.cuda.set_device(rank)
     group = dist.new_group(backend="nccl")
-    return exactness_worker(rank, world, cases, group=group)
+    return exactness_worker(rank, world, cases, group=group, fused=fused)
 
 
 def test_unavailable_reason_is_cheap_without_gpus():
@@ -160,11 +185,11 @@ def test_unavailable_reason_is_cheap_without_gpus():
         assert reason is None or isinstance(reason, str)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_p2p_bit_identical_to_nccl_reference(world):
+@pytest.mark.parametrize("world,fused", [(2, True), (2, False), (4, True), (4, False)])
+def test_p2p_bit_identical_to_nccl_reference(world, fused):
     if torch.cuda.device_count() < world:
         pytest.skip(NEEDS.format(world))
-    results = run_ranks(world, _ranks_fn, CASES, timeout=600)
+    results = run_ranks(world, _ranks_fn, CASES, fused, timeout=600)
     for rank, rows in enumerate(results):
         assert "error" not in rows[0], f"rank {rank}: p2p unavailable: {rows[0]}"
         bad = [r for r in rows if r["y"] or r["m1"] or r["m2"]]
@@ -210,11 +235,21 @@ def _soak_fn(rank: int, world: int, calls: int):
     torch.cuda.synchronize()
     out["soak"] += _mismatch(y, want)
     out["mem_growth"] = torch.cuda.memory_allocated() - mem0
-    out["epochs"] = [int(ws.epoch.item()) for ws in p._ws.values()]
+    out["epochs"] = [_calls_seen(p, ws) for ws in p._ws.values()]
     for q in p2ps:
         q.check_error()
         q.close()
     return out
+
+
+def _calls_seen(p2p, ws) -> list[int]:
+    """The epoch values of a workspace: [calls] for the stage kernels (one counter); for the
+    fused kernel the distinct per-program counters of the programs that ran (all equal to the
+    number of calls when every call bumped each once)."""
+    if not p2p.fused:
+        return [int(ws.epoch.item())]
+    used = max(1, min(ws.programs, ws.lay.tiles))
+    return sorted(set(ws.epochs[:used].tolist()))
 
 
 def test_two_groups_and_soak():
@@ -225,4 +260,4 @@ def test_two_groups_and_soak():
         assert r["two_groups"] == 0 and r["soak"] == 0, (rank, r)
         assert r["mem_growth"] == 0, (rank, r)
         # one workspace per size: 20 interleaved calls, and 1 warm-up + the soak
-        assert sorted(r["epochs"]) == sorted([20, calls + 1]), (rank, r)
+        assert sorted(r["epochs"]) == sorted([[20], [calls + 1]]), (rank, r)

@@ -80,3 +80,16 @@ def p2p_min_bytes() -> int | None:
     'auto', whatever the measured crossover table says (unset: the table)."""
     return _number("ECHO_P2P_MIN_BYTES", None, int, lambda v: v >= 0,
                    "a whole number of bytes >= 0")
+
+
+def p2p_fused() -> bool:
+    """ECHO_P2P_FUSED: the p2p backend runs a call as one fused kernel (1, default) or as the
+    three stage kernels entry/reduce/tail (0)."""
+    return _bool("ECHO_P2P_FUSED", True)
+
+
+def oneshot_max_bytes() -> int | None:
+    """ECHO_ONESHOT_MAX_BYTES: the largest message (bytes per rank) 'auto' sends through the
+    16-bit one-shot kernel on intra-node GPUs (0: never; unset: the measured table)."""
+    return _number("ECHO_ONESHOT_MAX_BYTES", None, int, lambda v: v >= 0,
+                   "a whole number of bytes >= 0")

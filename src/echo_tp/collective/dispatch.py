@@ -3,9 +3,10 @@ does runs it, ending at the torch.distributed reference, which takes everything.
 cannot run at all (no GPU, no peer access, multi-node) disable themselves at construction and
 log the reason once.
 
-'auto' on an intra-node GPU group: p2p (fused kernels) for calls where it was measured faster
-than NCCL's bf16 all-reduce (p2p.crossover_bytes), else the plain bf16 all-reduce (`PlainBackend`:
-never slower than NCCL, and exact), else the reference. Elsewhere (CPU/gloo, multi-node) the
+'auto' on an intra-node GPU group: small messages (up to oneshot.max_bytes) go to the 16-bit
+one-shot kernel (one launch, faster than NCCL there); p2p (fused kernels) takes calls where it
+was measured faster than NCCL's bf16 all-reduce (p2p.crossover_bytes); the rest goes to the
+plain bf16 all-reduce (`PlainBackend`: NCCL itself, exact), else the reference. Elsewhere (CPU/gloo, multi-node) the
 quantized reference runs every call.
 """
 from __future__ import annotations
@@ -107,9 +108,11 @@ def build_dispatcher(group: dist.ProcessGroup | None, backend: str = "auto") -> 
     if backend != "reference" and not envs.force_reference():
         fast = _try_p2p(group, strict=backend == "p2p")
         if fast is not None:
-            backends.append(fast)
             if backend == "auto":
-                backends.append(PlainBackend(group))
+                small = _try_oneshot(group)
+                backends += [b for b in (small, fast, PlainBackend(group)) if b is not None]
+            else:
+                backends.append(fast)
     backends.append(ref)
     return Dispatcher(backends, ref.world_size)
 
@@ -127,3 +130,15 @@ def _try_p2p(group, strict: bool):
         raise RuntimeError(f"backend='p2p' requested but unavailable: {reason}")
     log.info("echo-tp: p2p backend disabled: %s", reason)
     return None
+
+
+def _try_oneshot(group):
+    """The one-shot backend, or None when turned off (ECHO_ONESHOT_MAX_BYTES=0) or broken."""
+    from .oneshot import OneShotBackend, max_bytes
+    if max_bytes(dist.get_world_size(group)) <= 0:
+        return None
+    try:
+        return OneShotBackend(group)
+    except Exception as e:  # noqa: BLE001 - the plain path still serves these calls
+        log.warning("echo-tp: one-shot backend disabled: %s", e)
+        return None

@@ -110,26 +110,47 @@ def p2p_unavailable_reason(group: dist.ProcessGroup | None = None) -> str | None
     return next((f"rank {r}: {m}" for r, m in enumerate(reasons) if m is not None), None)
 
 
-class _Workspace:
-    """One symmetric buffer with its peer-address table and the per-call epoch counter."""
+class SymmetricBuffer:
+    """One rank's symmetric byte buffer and the device table [P+1] int64 of the P buffers'
+    addresses as this rank sees them, then the address of the error record. `flags` (a slice of
+    the buffer's words) is zeroed and the ranks barrier once, before any peer can push."""
 
-    def __init__(self, lay, group, rank: int, device, err: torch.Tensor):
+    def __init__(self, nbytes: int, flags_off: int, group, rank: int, world: int, device,
+                 err: torch.Tensor):
         from torch.distributed import _symmetric_memory as symm
-        self.lay = lay
-        self.buf = symm.empty(lay.nbytes, dtype=torch.uint8, device=device)
-        lay.flag_words(self.buf).zero_()
+        self.buf = symm.empty(nbytes, dtype=torch.uint8, device=device)
+        self.buf[flags_off:].view(torch.int64).zero_()
         torch.cuda.synchronize(device)
         self.handle = symm.rendezvous(self.buf, group if group is not None else dist.group.WORLD)
         offset = self.buf.data_ptr() - int(self.handle.buffer_ptrs[rank])
-        peers = [self.handle.get_buffer(r, (lay.nbytes,), torch.uint8, storage_offset=offset)
-                 for r in range(lay.world_size)]
+        peers = [self.handle.get_buffer(r, (nbytes,), torch.uint8, storage_offset=offset)
+                 for r in range(world)]
         if peers[rank].data_ptr() != self.buf.data_ptr():
             raise RuntimeError("symmetric memory: the local view does not match the buffer")
         self.peers = peers                            # keep the views (and mappings) alive
         self.table = torch.tensor([p.data_ptr() for p in peers] + [err.data_ptr()],
                                   dtype=torch.int64, device=device)
-        self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
         dist.barrier(group=group)                     # every flag is zero before any push
+
+
+class _Workspace(SymmetricBuffer):
+    """The buffer of one layout, with its epoch counters: one per call (stage kernels, bumped
+    by the host) or one per program (fused kernel, bumped by the kernel itself)."""
+
+    def __init__(self, lay, group, rank: int, device, err: torch.Tensor, programs: int):
+        super().__init__(lay.nbytes, lay.flags_off, group, rank, lay.world_size, device, err)
+        self.lay = lay
+        self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
+        self.programs = programs
+        self.epochs = torch.zeros(max(1, programs), dtype=torch.int64, device=device)
+
+
+def agreed_sm_count(group, device) -> int:
+    """The smallest SM count over the group (one MIN all-reduce, at set-up)."""
+    sms = torch.tensor([torch.cuda.get_device_properties(device).multi_processor_count],
+                       dtype=torch.int64, device=device)
+    dist.all_reduce(sms, op=dist.ReduceOp.MIN, group=group)
+    return int(sms.item())
 
 
 class P2PBackend:
@@ -139,7 +160,7 @@ class P2PBackend:
 
     def __init__(self, group: dist.ProcessGroup | None = None, *,
                  min_bytes: int | None = None, tile_elems: int | None = None,
-                 num_warps: int = 8):
+                 num_warps: int = 8, fused: bool | None = None, programs_per_sm: int = 2):
         from ..kernels import allreduce_kernels as ak
         from ..kernels import flags
         self._ak, self._flags = ak, flags
@@ -154,10 +175,18 @@ class P2PBackend:
                       crossover_bytes(self.world_size, c) for c in (False, True)}
         self.tile_elems = tile_elems or ak.TILE_ELEMS
         self.num_warps = num_warps
+        self.fused = envs.p2p_fused() if fused is None else fused
+        """One fused kernel per call (default), or the three stage kernels."""
+        self.programs = programs_per_sm * agreed_sm_count(group, self.device) \
+            if self.fused else 0
+        """Programs of the fused kernel: `programs_per_sm` x the smallest SM count of the
+        group (the sm_90 build takes <= 128 registers per thread at 8 warps, so two programs
+        fit on an SM: all resident at once), the same on every rank."""
         self.use_timer = True                         # %globaltimer; poll count if it fails
         self._err = flags.new_error_buffer(True)
         self._err_np = self._err.numpy()
         self._ws: dict = {}
+        self._ws_by_call: dict = {}
         self._timeouts: dict[bool, int] = {}
         self.stage_events: list | None = None
         """Benchmarks only: four torch.cuda.Event recorded around entry, reduce and tail."""
@@ -204,15 +233,22 @@ class P2PBackend:
         if why is not None:
             raise ValueError(f"p2p backend cannot run this call: {why}")
         ws = self._workspace(x, cfg)
-        ws.epoch.add_(1)
         fs = None
         if backward and cfg.grad_scaling:
             fs = grad_scale(self._ak.local_amax(x, state, cfg), self.transport)   # [1]
+        y = torch.empty_like(x)
+        if self.fused:
+            plan = self._ak.CallPlan(rank=self.rank, lay=ws.lay, cfg=cfg, x=x, state=state,
+                                     fs=fs, epoch=ws.epochs, table=ws.table,
+                                     timeout=self._timeout_units(), use_timer=self.use_timer,
+                                     num_warps=self.num_warps)
+            self._with_timer_fallback(plan, lambda: plan.fused(y, ws.programs))
+            return y, None
+        ws.epoch.add_(1)
         plan = self._ak.CallPlan(rank=self.rank, lay=ws.lay, cfg=cfg, x=x, state=state, fs=fs,
                                  epoch=ws.epoch, table=ws.table,
                                  timeout=self._timeout_units(),
                                  use_timer=self.use_timer, num_warps=self.num_warps)
-        y = torch.empty_like(x)
         ev = self.stage_events
         if ev:
             ev[0].record()
@@ -237,15 +273,22 @@ class P2PBackend:
 
     def close(self) -> None:
         self._ws.clear()
+        self._ws_by_call.clear()
 
     # ----- helpers -----
     def _workspace(self, x: torch.Tensor, cfg: EchoConfig) -> "_Workspace":
         spec = cfg.quant_spec()
+        call_key = (x.numel(), x.dtype, spec)
+        ws = self._ws_by_call.get(call_key)
+        if ws is not None:
+            return ws
         lay = self._ak.Layout.build(x.numel(), self.world_size, spec, self.tile_elems)
         key = (x.dtype, spec.bits, spec.quantizer, spec.group_size, self.world_size, lay.seg)
         ws = self._ws.get(key)
         if ws is None:
-            ws = self._ws[key] = _Workspace(lay, self.group, self.rank, self.device, self._err)
+            ws = self._ws[key] = _Workspace(lay, self.group, self.rank, self.device, self._err,
+                                            self.programs)
+        self._ws_by_call[call_key] = ws
         return ws
 
     def _with_timer_fallback(self, plan, launch) -> None:

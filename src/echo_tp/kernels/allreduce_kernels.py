@@ -21,11 +21,13 @@ launched in order entry(all ranks), reduce(all), tail(all) find every flag alrea
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
 
 from ..compensator import CompState
 from ..config import CompensatorConstants, EchoConfig, QuantSpec
@@ -127,7 +129,7 @@ def _decode_slot(src, scale_off, zero_off, grp, gmask, GS: tl.constexpr, BITS: t
     return _dequant(q, sf, zf, QUANT, QMAX)
 
 
-# ----------------------------------------------------------------------------- stage kernels
+# ----------------------------------------------------------------------------- backward scale
 
 @triton.jit
 def amax_kernel(x_ptr, m1_ptr, m2_ptr, out_ptr, n, eta, a, oma, X_KIND: tl.constexpr,
@@ -142,20 +144,22 @@ def amax_kernel(x_ptr, m1_ptr, m2_ptr, out_ptr, n, eta, a, oma, X_KIND: tl.const
     tl.store(out_ptr + tl.program_id(0), tl.max(tl.where(emask, v, 0.0), axis=0))
 
 
+# ----------------------------------------------------------------------------- per-tile stages
+# One tile of one stage; the stage kernels below run one per program, the fused kernel runs all
+# three in a loop. `ep` is the call's epoch (what flags are set to and waited for).
+
 @triton.jit
-def entry_kernel(x_ptr, m1_ptr, m2_ptr, fs_ptr, epoch_ptr, table_ptr,
-                 n, seg, groups, slot, scale_off, zero_off, flags_off, tiles,
-                 eta, a, oma, b1, omb1, b2, omb2,
-                 RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr, BG: tl.constexpr,
-                 GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
-                 LEVELS: tl.constexpr, QMAX: tl.constexpr, COMP: tl.constexpr,
-                 SCALED: tl.constexpr, LOCAL: tl.constexpr):
-    """Quantize tile t of segment j != RANK and push it to owner j (see module docstring)."""
-    t = tl.program_id(0)
-    j = (RANK + 1 + tl.program_id(1)) % P                 # destination owner, never RANK
+def _entry_tile(t, j, ep, x_ptr, m1_ptr, m2_ptr, fs_ptr, table_ptr,
+                n, seg, groups, slot, scale_off, zero_off, flags_off, tiles,
+                eta, a, oma, b1, omb1, b2, omb2,
+                RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr, BG: tl.constexpr,
+                GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
+                LEVELS: tl.constexpr, QMAX: tl.constexpr, COMP: tl.constexpr,
+                SCALED: tl.constexpr, LOCAL: tl.constexpr):
+    """Quantize tile t of segment j (!= RANK) and push it to owner j; signal recv[RANK][t]."""
     grp = t * BG + tl.arange(0, BG)                        # groups of the tile in a segment [BG]
     gmask = grp < groups
-    e = j.to(tl.int64) * seg + grp[:, None] * GS + tl.arange(0, GS)[None, :]   # [BG, GS]
+    e = (tl.zeros([], tl.int64) + j) * seg + grp[:, None] * GS + tl.arange(0, GS)[None, :]
     emask = gmask[:, None] & (e < n)
     xp, m1, m2, xs, f = _x_scaled(x_ptr, m1_ptr, m2_ptr, fs_ptr, e, emask, eta, a, oma, X_KIND,
                                   COMP, SCALED)
@@ -169,21 +173,19 @@ def entry_kernel(x_ptr, m1_ptr, m2_ptr, fs_ptr, epoch_ptr, table_ptr,
         if SCALED:
             err = err * tl.math.div_rn(tl.full([], 1.0, tl.float32), f)
         _update(m1_ptr, m2_ptr, e, emask, m1, m2, err, b1, omb1, b2, omb2)
-    flag = (peer + flags_off).to(tl.pointer_type(tl.int64)) + RANK * tiles + t
-    signal(flag, tl.load(epoch_ptr))
+    signal((peer + flags_off).to(tl.pointer_type(tl.int64)) + RANK * tiles + t, ep)
 
 
 @triton.jit
-def reduce_kernel(x_ptr, m1_ptr, m2_ptr, fs_ptr, epoch_ptr, table_ptr,
-                  n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
-                  eta, a, oma, b1, omb1, b2, omb2,
-                  RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr, BG: tl.constexpr,
-                  GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
-                  LEVELS: tl.constexpr, QMAX: tl.constexpr, COMP: tl.constexpr,
-                  SCALED: tl.constexpr, LOCAL: tl.constexpr, USE_TIMER: tl.constexpr):
-    """Owner sum of tile t of the own segment, requantized and pushed to every rank."""
-    t = tl.program_id(0)
-    epoch = tl.load(epoch_ptr)
+def _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, fs_ptr, table_ptr,
+                 n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
+                 eta, a, oma, b1, omb1, b2, omb2,
+                 RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr, BG: tl.constexpr,
+                 GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
+                 LEVELS: tl.constexpr, QMAX: tl.constexpr, COMP: tl.constexpr,
+                 SCALED: tl.constexpr, LOCAL: tl.constexpr, USE_TIMER: tl.constexpr):
+    """Owner sum of tile t of the own segment, requantized and pushed to every rank's gather
+    slot RANK; signal gath[RANK][t] everywhere."""
     own = _buffer(table_ptr, RANK)
     flags = (own + flags_off).to(tl.pointer_type(tl.int64))   # recv [P][tiles], gath [P][tiles]
     abort = flags + 2 * P * tiles
@@ -194,10 +196,10 @@ def reduce_kernel(x_ptr, m1_ptr, m2_ptr, fs_ptr, epoch_ptr, table_ptr,
     emask = gmask[:, None] & (e < n)
     xp, m1, m2, xs, f = _x_scaled(x_ptr, m1_ptr, m2_ptr, fs_ptr, e, emask, eta, a, oma, X_KIND,
                                   COMP, SCALED)
-    ok = epoch == epoch
+    ok = ep == ep
     for r in tl.static_range(P):
         if r != RANK:
-            ok = ok & wait_geq(flags + r * tiles + t, epoch, abort, err_rec, RANK, 1, t, r,
+            ok = ok & wait_geq(flags + r * tiles + t, ep, abort, err_rec, RANK, 1, t, r,
                                timeout, USE_TIMER)
     for r in tl.static_range(P):                           # acc = c_0; acc = acc + c_1; ...
         if r == RANK:
@@ -227,30 +229,26 @@ def reduce_kernel(x_ptr, m1_ptr, m2_ptr, fs_ptr, epoch_ptr, table_ptr,
         for i in tl.static_range(P):
             peer = _buffer(table_ptr, (RANK + 1 + i) % P)
             signal((peer + flags_off).to(tl.pointer_type(tl.int64)) + (P + RANK) * tiles + t,
-                   epoch)
+                   ep)
 
 
 @triton.jit
-def tail_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, epoch_ptr, table_ptr,
-                n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
-                eta, a, oma, b1, omb1, b2, omb2,
-                RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr, BG: tl.constexpr,
-                GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
-                QMAX: tl.constexpr, PF: tl.constexpr, COMP: tl.constexpr,
-                SCALED: tl.constexpr,
-                OUTPUT: tl.constexpr, USE_TIMER: tl.constexpr):
-    """Decode tile t of owner j's packet into y (and the output-residual state update)."""
-    t = tl.program_id(0)
-    j = (RANK + tl.program_id(1)) % P                      # own packet first: already local
-    epoch = tl.load(epoch_ptr)
+def _tail_tile(t, j, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, table_ptr,
+               n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
+               eta, a, oma, b1, omb1, b2, omb2,
+               RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr, BG: tl.constexpr,
+               GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
+               QMAX: tl.constexpr, PF: tl.constexpr, COMP: tl.constexpr,
+               SCALED: tl.constexpr, OUTPUT: tl.constexpr, USE_TIMER: tl.constexpr):
+    """Wait gath[j][t]; decode tile t of owner j's packet into y (+ output-residual update)."""
     own = _buffer(table_ptr, RANK)
     flags = (own + flags_off).to(tl.pointer_type(tl.int64))
     err_rec = tl.load(table_ptr + P).to(tl.pointer_type(tl.int64))
-    ok = wait_geq(flags + (P + j) * tiles + t, epoch, flags + 2 * P * tiles, err_rec, RANK, 2, t,
+    ok = wait_geq(flags + (P + j) * tiles + t, ep, flags + 2 * P * tiles, err_rec, RANK, 2, t,
                   j, timeout, USE_TIMER)
     grp = t * BG + tl.arange(0, BG)
     gmask = grp < groups
-    e = j.to(tl.int64) * seg + grp[:, None] * GS + tl.arange(0, GS)[None, :]
+    e = (tl.zeros([], tl.int64) + j) * seg + grp[:, None] * GS + tl.arange(0, GS)[None, :]
     emask = gmask[:, None] & (e < n) & ok
     y32 = _decode_slot(own + _slot(P + j, slot), scale_off, zero_off, grp, gmask, GS, BITS, BG,
                        QUANT, QMAX)
@@ -262,6 +260,109 @@ def tail_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, epoch_ptr, table_ptr,
         yf = _as_f32_of_out(y32, X_KIND)
         u = xp - tl.math.div_rn(yf, tl.full(yf.shape, PF, tl.float32))   # x' - y/P
         _update(m1_ptr, m2_ptr, e, emask, m1, m2, u, b1, omb1, b2, omb2)
+
+
+# ----------------------------------------------------------------------------- stage kernels
+
+@triton.jit
+def entry_kernel(x_ptr, m1_ptr, m2_ptr, fs_ptr, epoch_ptr, table_ptr,
+                 n, seg, groups, slot, scale_off, zero_off, flags_off, tiles,
+                 eta, a, oma, b1, omb1, b2, omb2,
+                 RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr, BG: tl.constexpr,
+                 GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
+                 LEVELS: tl.constexpr, QMAX: tl.constexpr, COMP: tl.constexpr,
+                 SCALED: tl.constexpr, LOCAL: tl.constexpr):
+    """grid (tiles, P-1): program (t, i) pushes tile t of segment RANK+1+i (mod P)."""
+    j = (RANK + 1 + tl.program_id(1)) % P                 # destination owner, never RANK
+    _entry_tile(tl.program_id(0), j, tl.load(epoch_ptr), x_ptr, m1_ptr, m2_ptr, fs_ptr,
+                table_ptr, n, seg, groups, slot, scale_off, zero_off, flags_off, tiles,
+                eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, GS, BITS, QUANT, LEVELS,
+                QMAX, COMP, SCALED, LOCAL)
+
+
+@triton.jit
+def reduce_kernel(x_ptr, m1_ptr, m2_ptr, fs_ptr, epoch_ptr, table_ptr,
+                  n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
+                  eta, a, oma, b1, omb1, b2, omb2,
+                  RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr, BG: tl.constexpr,
+                  GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
+                  LEVELS: tl.constexpr, QMAX: tl.constexpr, COMP: tl.constexpr,
+                  SCALED: tl.constexpr, LOCAL: tl.constexpr, USE_TIMER: tl.constexpr):
+    """grid (tiles,): program t reduces tile t of the own segment."""
+    _reduce_tile(tl.program_id(0), tl.load(epoch_ptr), x_ptr, m1_ptr, m2_ptr, fs_ptr,
+                 table_ptr, n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
+                 eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, GS, BITS, QUANT, LEVELS,
+                 QMAX, COMP, SCALED, LOCAL, USE_TIMER)
+
+
+@triton.jit
+def tail_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, epoch_ptr, table_ptr,
+                n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
+                eta, a, oma, b1, omb1, b2, omb2,
+                RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr, BG: tl.constexpr,
+                GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
+                QMAX: tl.constexpr, PF: tl.constexpr, COMP: tl.constexpr,
+                SCALED: tl.constexpr,
+                OUTPUT: tl.constexpr, USE_TIMER: tl.constexpr):
+    """grid (tiles, P): program (t, i) decodes tile t of owner RANK+i (mod P; own first)."""
+    j = (RANK + tl.program_id(1)) % P
+    _tail_tile(tl.program_id(0), j, tl.load(epoch_ptr), x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr,
+               table_ptr, n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
+               eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, GS, BITS, QUANT, QMAX, PF,
+               COMP, SCALED, OUTPUT, USE_TIMER)
+
+
+@triton.jit
+def fused_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, epochs_ptr, table_ptr,
+                 n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
+                 eta, a, oma, b1, omb1, b2, omb2,
+                 RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr, BG: tl.constexpr,
+                 GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
+                 LEVELS: tl.constexpr, QMAX: tl.constexpr, PF: tl.constexpr,
+                 COMP: tl.constexpr, SCALED: tl.constexpr, LOCAL: tl.constexpr,
+                 OUTPUT: tl.constexpr, USE_TIMER: tl.constexpr):
+    """The whole call in one launch. grid (G,), G <= tiles and G <= the SM count (on every
+    rank the same G, so program c of each rank handles the same tiles t = c, c+G, ...).
+    Program c: entry of its tiles, then their reduce, then their tail, i.e.
+
+        for t in tiles(c): for i < P-1: _entry_tile(t, RANK+1+i)
+        for t in tiles(c): _reduce_tile(t)
+        for t in tiles(c): for i < P: _tail_tile(t, RANK+i)
+
+    Program c waits only on program c of the other ranks, which do the same tiles in the same
+    order; by the time it reduces its first tile, its peers pushed their whole share, so the
+    flag latency is paid about once per stage, not per tile. Programs in different stages
+    overlap. Epochs are per program (epochs_ptr[c], bumped here: no host launch per call;
+    graph replays advance them too); a flag of tile t is only ever set by and waited for
+    with program (t mod G)'s epoch."""
+    c = tl.program_id(0)
+    G = tl.num_programs(0)
+    ep = tl.load(epochs_ptr + c) + 1
+    t = c                                                  # t = c, c+G, ... < tiles
+    while t < tiles:
+        for i in tl.static_range(P - 1):
+            _entry_tile(t, (RANK + 1 + i) % P, ep, x_ptr, m1_ptr, m2_ptr, fs_ptr,
+                        table_ptr, n, seg, groups, slot, scale_off, zero_off, flags_off,
+                        tiles, eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, GS,
+                        BITS, QUANT, LEVELS, QMAX, COMP, SCALED, LOCAL)
+        t += G
+    t = c
+    while t < tiles:
+        _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, fs_ptr, table_ptr,
+                     n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
+                     eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, GS, BITS, QUANT,
+                     LEVELS, QMAX, COMP, SCALED, LOCAL, USE_TIMER)
+        t += G
+    t = c
+    while t < tiles:
+        for i in tl.static_range(P):
+            _tail_tile(t, (RANK + i) % P, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr,
+                       table_ptr, n, seg, groups, slot, scale_off, zero_off, flags_off,
+                       tiles, timeout, eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND,
+                       BG, GS, BITS, QUANT, QMAX, PF, COMP, SCALED, OUTPUT, USE_TIMER)
+        t += G
+    tl.debug_barrier()
+    tl.store(epochs_ptr + c, ep)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -320,9 +421,72 @@ class Layout:
         return codes, scale.view(torch.float16), None if zero is None else zero.view(torch.float16)
 
 
+def launch(kernel, grid: tuple, args: tuple, meta: dict) -> None:
+    """kernel[grid](*args, **meta) with LAUNCH_OPTS. On CUDA, after the first launch of a
+    specialization (the JIT path), later launches go straight to the compiled kernel's own
+    launcher, skipping triton's per-call argument binding and cache lookup (host time on every
+    call of the collective). The cache key holds every value triton specializes on (non-tensor
+    arguments and constexprs exactly; tensors by dtype and 16-byte alignment), so a hit launches
+    the binary triton itself would pick. Under TRITON_INTERPRET (no compiled kernel) or with
+    launch hooks installed, every launch takes the JIT path."""
+    key = None
+    if _FAST_OK and knobs.runtime.launch_enter_hook is None \
+            and knobs.runtime.launch_exit_hook is None:
+        key = (kernel, torch.cuda.current_device(),
+               *[(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a
+                 for a in args], *meta.values())
+        hit = _FAST.get(key)
+        if hit is not None:
+            compiled, tail = hit
+            g = (*grid, 1, 1)
+            compiled.run(g[0], g[1], g[2], torch.cuda.current_stream().cuda_stream,
+                         compiled.function, compiled.packed_metadata, None, None, None,
+                         *args, *tail)
+            return
+    compiled = kernel[grid](*args, **meta, **LAUNCH_OPTS)
+    if key is not None and compiled is not None and hasattr(compiled, "packed_metadata"):
+        names = kernel.arg_names[len(args):]
+        if set(names) == set(meta):      # every remaining parameter is a constexpr given here
+            _FAST[key] = (compiled, tuple(meta[k] for k in names))
+
+
+_FAST: dict = {}
+_FAST_OK = not knobs.runtime.interpret if hasattr(knobs.runtime, "interpret") else True
+
+
+@functools.lru_cache(maxsize=1024)
+def _static_args(lay: Layout, cfg: EchoConfig, rank: int, dtype: torch.dtype, comp: bool,
+                 scaled: bool) -> tuple:
+    """The launch arguments fixed by (layout, config, rank, dtype): built once, not per call.
+    -> (layout scalars, compensator constants, constexprs common to the kernels, extra
+    constexprs by kernel name)."""
+    spec = cfg.quant_spec()
+    k = CompensatorConstants.from_config(cfg)
+    scal = (lay.seg, lay.groups, lay.slot, lay.scale_off, lay.zero_off, lay.flags_off, lay.tiles)
+    consts = (k.eta, k.a, k.one_minus_a, k.beta1, k.one_minus_beta1, k.beta2, k.one_minus_beta2)
+    ce = spec_constexprs(spec)
+    meta = dict(RANK=rank, P=lay.world_size, X_KIND=DTYPE_KIND[dtype], BG=lay.bg,
+                GS=ce["GS"], BITS=ce["BITS"], QUANT=ce["QUANT"])
+    local = comp and cfg.residual == "local"
+    output = comp and cfg.residual == "output"
+    per = {
+        "entry": dict(LEVELS=ce["LEVELS"], QMAX=ce["QMAX"], COMP=comp, SCALED=scaled,
+                      LOCAL=local),
+        "reduce": dict(LEVELS=ce["LEVELS"], QMAX=ce["QMAX"], COMP=comp, SCALED=scaled,
+                       LOCAL=local),
+        "tail": dict(QMAX=ce["QMAX"], PF=float(lay.world_size), COMP=comp, SCALED=scaled,
+                     OUTPUT=output),
+        "fused": dict(LEVELS=ce["LEVELS"], QMAX=ce["QMAX"], PF=float(lay.world_size), COMP=comp,
+                      SCALED=scaled, LOCAL=local, OUTPUT=output),
+    }
+    return scal, consts, meta, per
+
+
 @dataclass
 class CallPlan:
-    """Everything one rank's three launches of one call need (built per call, no device sync)."""
+    """Everything one rank's launches of one call need (built per call, no device sync):
+    either the three stage kernels (entry, reduce, tail: `epoch` bumped by the host) or the
+    single fused kernel (`fused`: per-program epochs bumped by the kernel)."""
 
     rank: int
     lay: Layout
@@ -330,36 +494,20 @@ class CallPlan:
     x: torch.Tensor               # [n] bf16/fp16/fp32, contiguous
     state: CompState | None       # m1, m2 fp32 [n], updated in place
     fs: torch.Tensor | None       # [1] fp32 backward scale factor 2^e, or None
-    epoch: torch.Tensor           # [1] int64, already bumped for this call
+    epoch: torch.Tensor           # [1] int64, already bumped for this call (stage kernels);
+                                  # [G] int64 per-program epochs (fused kernel)
     table: torch.Tensor           # [P+1] int64: the P buffers, then the error record
     timeout: int
     use_timer: bool
     num_warps: int = 4
-    _parts: tuple | None = field(default=None, repr=False)
 
-    def _common(self):
-        """Launch arguments shared by the three kernels, built once per call (host time)."""
-        if self._parts is None:
-            self._parts = self._build_common()
-        return self._parts
-
-    def _build_common(self):
-        cfg, lay, x = self.cfg, self.lay, self.x
-        spec = cfg.quant_spec()
-        k = CompensatorConstants.from_config(cfg)
+    def _parts(self):
         st = self.state
-        m1 = st.m1 if st is not None else x
-        m2 = st.m2 if st is not None else x
-        args = (x, m1, m2)
-        scal = (x.numel(), lay.seg, lay.groups, lay.slot, lay.scale_off, lay.zero_off,
-                lay.flags_off, lay.tiles)
-        consts = (k.eta, k.a, k.one_minus_a, k.beta1, k.one_minus_beta1, k.beta2,
-                  k.one_minus_beta2)
-        ce = spec_constexprs(spec)
-        meta = dict(RANK=self.rank, P=lay.world_size, X_KIND=DTYPE_KIND[x.dtype], BG=lay.bg,
-                    GS=ce["GS"], BITS=ce["BITS"], QUANT=ce["QUANT"], QMAX=ce["QMAX"],
-                    COMP=st is not None, SCALED=self.fs is not None)
-        return args, scal, consts, ce, meta
+        scal, consts, meta, per = _static_args(self.lay, self.cfg, self.rank, self.x.dtype,
+                                               st is not None, self.fs is not None)
+        x = self.x
+        ptrs = (x, st.m1, st.m2) if st is not None else (x, x, x)
+        return ptrs, (x.numel(), *scal), consts, meta, per
 
     def _fs(self):
         return self.fs if self.fs is not None else self.epoch
@@ -367,29 +515,32 @@ class CallPlan:
     def entry(self) -> None:
         if self.lay.world_size == 1:
             return
-        args, scal, consts, ce, meta = self._common()
-        entry_kernel[(self.lay.tiles, self.lay.world_size - 1)](
-            *args, self._fs(), self.epoch, self.table, *scal, *consts, **meta,
-            LEVELS=ce["LEVELS"],
-            LOCAL=self.state is not None and self.cfg.residual == "local",
-            num_warps=self.num_warps, **LAUNCH_OPTS)
+        ptrs, scal, consts, meta, per = self._parts()
+        launch(entry_kernel, (self.lay.tiles, self.lay.world_size - 1),
+               (*ptrs, self._fs(), self.epoch, self.table, *scal, *consts),
+               dict(**meta, **per["entry"], num_warps=self.num_warps))
 
     def reduce(self) -> None:
-        args, scal, consts, ce, meta = self._common()
-        reduce_kernel[(self.lay.tiles,)](
-            *args, self._fs(), self.epoch, self.table, *scal, self.timeout, *consts, **meta,
-            LEVELS=ce["LEVELS"],
-            LOCAL=self.state is not None and self.cfg.residual == "local",
-            USE_TIMER=self.use_timer, num_warps=self.num_warps, **LAUNCH_OPTS)
+        ptrs, scal, consts, meta, per = self._parts()
+        launch(reduce_kernel, (self.lay.tiles,),
+               (*ptrs, self._fs(), self.epoch, self.table, *scal, self.timeout, *consts),
+               dict(**meta, **per["reduce"], USE_TIMER=self.use_timer,
+                    num_warps=self.num_warps))
 
     def tail(self, y: torch.Tensor) -> None:
-        args, scal, consts, ce, meta = self._common()
-        P = self.lay.world_size
-        tail_kernel[(self.lay.tiles, P)](
-            *args, y, self._fs(), self.epoch, self.table, *scal, self.timeout, *consts, **meta,
-            PF=float(P),
-            OUTPUT=self.state is not None and self.cfg.residual == "output",
-            USE_TIMER=self.use_timer, num_warps=self.num_warps, **LAUNCH_OPTS)
+        ptrs, scal, consts, meta, per = self._parts()
+        launch(tail_kernel, (self.lay.tiles, self.lay.world_size),
+               (*ptrs, y, self._fs(), self.epoch, self.table, *scal, self.timeout, *consts),
+               dict(**meta, **per["tail"], USE_TIMER=self.use_timer, num_warps=self.num_warps))
+
+    def fused(self, y: torch.Tensor, programs: int) -> None:
+        """The whole call in one launch of `programs` programs (<= epoch.numel(); the same on
+        every rank of a workspace, for its whole life)."""
+        ptrs, scal, consts, meta, per = self._parts()
+        grid = max(1, min(programs, self.lay.tiles))
+        launch(fused_kernel, (grid,),
+               (*ptrs, y, self._fs(), self.epoch, self.table, *scal, self.timeout, *consts),
+               dict(**meta, **per["fused"], USE_TIMER=self.use_timer, num_warps=self.num_warps))
 
 
 def local_amax(x: torch.Tensor, state: CompState | None, cfg: EchoConfig,

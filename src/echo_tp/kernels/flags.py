@@ -23,7 +23,8 @@ import triton.language as tl
 
 ERR_WORDS = 8
 STAGES = {1: "reduce: waiting for a sender's segment packet",
-          2: "tail: waiting for an owner's reduced packet"}
+          2: "tail: waiting for an owner's reduced packet",
+          3: "one-shot: waiting for a peer's input tile"}
 POLL_NS = 500
 """Assumed cost of one poll when %globaltimer is not used: the timeout becomes a poll count."""
 
