@@ -93,3 +93,9 @@ def oneshot_max_bytes() -> int | None:
     16-bit one-shot kernel on intra-node GPUs (0: never; unset: the measured table)."""
     return _number("ECHO_ONESHOT_MAX_BYTES", None, int, lambda v: v >= 0,
                    "a whole number of bytes >= 0")
+
+
+def fast_launch() -> bool:
+    """ECHO_FAST_LAUNCH: repeat launches of this package's collective kernels go straight to the
+    compiled kernel's launcher (1, default); 0 keeps triton's JIT dispatch on every launch."""
+    return _bool("ECHO_FAST_LAUNCH", True)

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 from triton import knobs
 
+from .. import envs
 from ..compensator import CompState
 from ..config import CompensatorConstants, EchoConfig, QuantSpec
 from .flags import signal, wait_geq
@@ -430,7 +431,7 @@ def launch(kernel, grid: tuple, args: tuple, meta: dict) -> None:
     the binary triton itself would pick. Under TRITON_INTERPRET (no compiled kernel) or with
     launch hooks installed, every launch takes the JIT path."""
     key = None
-    if _FAST_OK and knobs.runtime.launch_enter_hook is None \
+    if _FAST_OK and args[0].is_cuda and knobs.runtime.launch_enter_hook is None \
             and knobs.runtime.launch_exit_hook is None:
         key = (kernel, torch.cuda.current_device(),
                *[(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a
@@ -446,12 +447,15 @@ def launch(kernel, grid: tuple, args: tuple, meta: dict) -> None:
     compiled = kernel[grid](*args, **meta, **LAUNCH_OPTS)
     if key is not None and compiled is not None and hasattr(compiled, "packed_metadata"):
         names = kernel.arg_names[len(args):]
-        if set(names) == set(meta):      # every remaining parameter is a constexpr given here
+        if set(names) == set(meta) - _OPTIONS:   # the other parameters are constexprs given here
             _FAST[key] = (compiled, tuple(meta[k] for k in names))
 
 
+_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas"})
+
+
 _FAST: dict = {}
-_FAST_OK = not knobs.runtime.interpret if hasattr(knobs.runtime, "interpret") else True
+_FAST_OK = envs.fast_launch() and not getattr(knobs.runtime, "interpret", False)
 
 
 @functools.lru_cache(maxsize=1024)
