@@ -196,7 +196,7 @@ def bench_worker(rank: int, world: int, sizes=SIZES, methods=METHODS, iters: int
             state = None
             if method == "p2p4-graph" and nbytes > GRAPH_MAX_BYTES:
                 continue
-            if method == "oneshot16" and nbytes > ONESHOT_MAX_BYTES:
+            if method.startswith("oneshot16") and nbytes > ONESHOT_MAX_BYTES:
                 continue
             err = None
             try:                                      # set-up and one call (compiles)
@@ -211,10 +211,17 @@ def bench_worker(rank: int, world: int, sizes=SIZES, methods=METHODS, iters: int
                     with torch.cuda.graph(graph):
                         p2p.run(x, cfg, state=None, backward=False, record=False)
                     fn = graph.replay
-                elif method == "oneshot16":
+                elif method.startswith("oneshot16"):
                     buf = x.clone()
-                    fn = lambda: one.run(buf, None, state=None, backward=False,  # noqa: E731
-                                         record=False, inplace=True)
+                    be = one
+                    if "@" in method:         # variant: oneshot16@pps{K}w{W}
+                        if method not in by_pps:
+                            pps, warps = (int(v) for v in method.split("@pps")[1].split("w"))
+                            by_pps[method] = OneShotBackend(None, cap_bytes=one.cap_bytes,
+                                                            num_warps=warps, programs_per_sm=pps)
+                        be = by_pps[method]
+                    fn = lambda: be.run(buf, None, state=None, backward=False,  # noqa: E731
+                                        record=False, inplace=True)
                 elif method in autos:
                     comm = autos[method]
                     comm.new_pass()
@@ -231,7 +238,7 @@ def bench_worker(rank: int, world: int, sizes=SIZES, methods=METHODS, iters: int
                         pps = int(method.split("@pps")[1])
                         if pps not in by_pps:
                             by_pps[pps] = P2PBackend(None, min_bytes=0, programs_per_sm=pps,
-                                                     **p2p_kwargs)
+                                                     fused=True, **p2p_kwargs)
                         be = by_pps[pps]
                     cfg = EchoConfig(bits=bits, eta=0.75 if comp else 0.0,
                                      residual="local" if "-loc" in method else "output")

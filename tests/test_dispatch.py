@@ -11,7 +11,7 @@ from echo_tp.collective.dispatch import build_dispatcher
 
 def test_crossover_table(monkeypatch):
     monkeypatch.delenv("ECHO_P2P_MIN_BYTES", raising=False)
-    assert p2p.crossover_bytes(2, False) == 128 << 20
+    assert p2p.crossover_bytes(2, False) == 64 << 20
     assert p2p.crossover_bytes(2, True) is None            # compensated lost at every size
     assert p2p.crossover_bytes(4, False) == p2p.crossover_bytes(2, False)  # unmeasured P
     monkeypatch.setenv("ECHO_P2P_MIN_BYTES", "0")
@@ -19,6 +19,29 @@ def test_crossover_table(monkeypatch):
     monkeypatch.setenv("ECHO_P2P_MIN_BYTES", "lots")
     with pytest.raises(ValueError, match="ECHO_P2P_MIN_BYTES"):
         p2p.crossover_bytes(2, False)
+
+
+def test_oneshot_cap_table(monkeypatch):
+    from echo_tp.collective import oneshot
+    monkeypatch.delenv("ECHO_ONESHOT_MAX_BYTES", raising=False)
+    assert oneshot.max_bytes(2) == 16 << 20
+    assert oneshot.max_bytes(8) == 1 << 20                  # unmeasured P: small cap
+    monkeypatch.setenv("ECHO_ONESHOT_MAX_BYTES", "0")
+    assert oneshot.max_bytes(2) == 0
+    monkeypatch.setenv("ECHO_ONESHOT_MAX_BYTES", "-3")
+    with pytest.raises(ValueError, match="ECHO_ONESHOT_MAX_BYTES"):
+        oneshot.max_bytes(2)
+
+
+def test_p2p_fused_env(monkeypatch):
+    from echo_tp import envs
+    monkeypatch.delenv("ECHO_P2P_FUSED", raising=False)
+    assert envs.p2p_fused() is None
+    monkeypatch.setenv("ECHO_P2P_FUSED", "0")
+    assert envs.p2p_fused() is False
+    monkeypatch.setenv("ECHO_P2P_FUSED", "maybe")
+    with pytest.raises(ValueError, match="ECHO_P2P_FUSED"):
+        envs.p2p_fused()
 
 
 @pytest.fixture

@@ -246,7 +246,7 @@ def _calls_seen(p2p, ws) -> list[int]:
     """The epoch values of a workspace: [calls] for the stage kernels (one counter); for the
     fused kernel the distinct per-program counters of the programs that ran (all equal to the
     number of calls when every call bumped each once)."""
-    if not p2p.fused:
+    if not ws.programs:
         return [int(ws.epoch.item())]
     used = max(1, min(ws.programs, ws.lay.tiles))
     return sorted(set(ws.epochs[:used].tolist()))

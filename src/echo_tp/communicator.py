@@ -112,16 +112,16 @@ class EchoCommunicator:
             sdtype = torch.float64 if cfg.state_dtype == "float64" else torch.float32
             state = ps.get(flat.shape[-1], tuple(flat.shape[:-1]), flat.device, sdtype)
         record = self.telemetry is not None and cfg.quantized
+        inplace = inplace and x.is_contiguous() and (flat is x or flat.data_ptr() == x.data_ptr())
         y, rec = self.dispatcher.run(flat, cfg, state=state, backward=direction == "backward",
-                                     record=record, inplace=inplace and flat.data_ptr() ==
-                                     x.data_ptr() and x.is_contiguous())
+                                     record=record, inplace=inplace)
         if self.telemetry is not None:
             self.telemetry.record(direction=direction, site=site, bits=cfg.bits, x=flat, y=y,
                                   rec=rec, simulated=self.simulated)
-        return y.reshape(x.shape)
+        return y if flat is x else y.reshape(x.shape)
 
     def _flatten(self, x: torch.Tensor) -> torch.Tensor:
-        return x.reshape(-1)
+        return x if x.dim() == 1 else x.reshape(-1)
 
     def _check_input(self, x: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor):

@@ -82,10 +82,11 @@ def p2p_min_bytes() -> int | None:
                    "a whole number of bytes >= 0")
 
 
-def p2p_fused() -> bool:
-    """ECHO_P2P_FUSED: the p2p backend runs a call as one fused kernel (1, default) or as the
-    three stage kernels entry/reduce/tail (0)."""
-    return _bool("ECHO_P2P_FUSED", True)
+def p2p_fused() -> bool | None:
+    """ECHO_P2P_FUSED: how the p2p backend runs a call: 1 = one fused kernel, 0 = the three
+    stage kernels entry/reduce/tail, unset/auto = by message size (p2p.FUSED_MAX_BYTES)."""
+    v = _choice("ECHO_P2P_FUSED", "auto", ("auto", "0", "1"))
+    return None if v == "auto" else v == "1"
 
 
 def oneshot_max_bytes() -> int | None:

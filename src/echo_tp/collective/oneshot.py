@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 
 MAX_BYTES: dict[int, int] = {
     # P -> the largest message (bytes per rank) 'auto' sends through the one-shot kernel.
+    # 2026-11-29, 2 H200s (docs/results/2026-11-29-allreduce-P2-r4.md), 4 programs per SM:
+    # 1.27-1.33x NCCL at 256 KiB-4 MiB, 1.06x at 16 MiB, 0.86x at 64 MiB.
     2: 16 << 20,
 }
 """Unmeasured P take 1 MiB (each rank pushes P-1 copies of its input, so the one-shot path's
@@ -44,7 +46,7 @@ class OneShotBackend:
     name = "oneshot"
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, cap_bytes: int | None = None,
-                 num_warps: int = 4):
+                 num_warps: int = 4, programs_per_sm: int = 4):
         from ..kernels import flags
         from ..kernels import oneshot_kernels as ok
         self._ok, self._flags = ok, flags
@@ -54,7 +56,8 @@ class OneShotBackend:
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.cap_bytes = max_bytes(self.world_size) if cap_bytes is None else cap_bytes
         self.num_warps = num_warps
-        self.programs = agreed_sm_count(group, self.device) if self.cap_bytes > 0 else 0
+        self.programs = programs_per_sm * agreed_sm_count(group, self.device) \
+            if self.cap_bytes > 0 else 0
         self._err = flags.new_error_buffer(True)
         self._err_np = self._err.numpy()
         self._buf: SymmetricBuffer | None = None
@@ -63,8 +66,8 @@ class OneShotBackend:
         self._timeout = flags.timeout_units(envs.flag_timeout_s(), True)
 
     def should_use(self, x: torch.Tensor, cfg: EchoConfig) -> bool:
-        return (x.is_cuda and x.numel() * x.element_size() <= self.cap_bytes
-                and x.device == self.device and x.dtype in DTYPES and x.dim() == 1
+        return (x.numel() * x.element_size() <= self.cap_bytes and x.is_cuda
+                and x.get_device() == self.device.index and x.dtype in DTYPES and x.dim() == 1
                 and x.is_contiguous())
 
     def run(self, x: torch.Tensor, cfg: EchoConfig, *, state: CompState | None, backward: bool,

@@ -38,15 +38,26 @@ log = logging.getLogger(__name__)
 CROSSOVER: dict[tuple[int, bool], int | None] = {
     # (P, compensated) -> smallest message (bytes per rank) from which an eager p2p call beats
     # NCCL's bf16 all-reduce by >= 5% at every larger measured size; None: never measured faster.
-    # 2026-11-29, 2 H200s, NVLink (docs/results/2026-11-29-p2p-x2.md): uncompensated 4-bit
-    # 1.58x at 128 MiB, 0.82x at 64 MiB (below ~128 MiB an eager call costs a flat ~0.25-0.30 ms
-    # of host launch time); compensated 0.66-0.80x at every size (fp32 m1/m2 traffic).
-    (2, False): 128 << 20,
+    # 2026-11-29, 2 H200s, NVLink (docs/results/2026-11-29-allreduce-P2-r4.md): uncompensated
+    # 4-bit (stage kernels) 1.11x at 64 MiB, 1.50-1.56x from 128 MiB; compensated 0.73-0.80x at
+    # every size (fp32 m1/m2 traffic).
+    (2, False): 64 << 20,
     (2, True): None,
 }
 """Unmeasured P use P=2's entries (NCCL's own cost grows with P, so this errs on NCCL's side).
 Inside CUDA graph capture the launch cost is gone: uncompensated calls take p2p at every size
-(1.5-3.3x NCCL measured up to 64 MiB). ECHO_P2P_MIN_BYTES overrides the table."""
+(2.4-3.5x NCCL measured up to 4 MiB). ECHO_P2P_MIN_BYTES overrides the table."""
+
+
+FUSED_MAX_BYTES: dict[int, int] = {
+    # P -> the largest message (bytes per rank) run as one fused kernel; larger ones run as
+    # the three stage kernels. 2026-11-29, 2 H200s: the fused kernel saves two launches (eager
+    # 64 KiB-16 MiB: 0.06-0.11 ms vs 0.15-0.45 ms staged) but its programs walk their tiles one
+    # after another, so from 64 MiB the staged kernels (many more CTAs in flight) move bytes
+    # faster (64 MiB 0.22 vs 0.25 ms, 1 GiB 2.18 vs 3.92 ms).
+    2: 32 << 20,
+}
+"""Unmeasured P use P=2's entry."""
 
 
 def crossover_bytes(world_size: int, compensated: bool) -> int | None:
@@ -160,7 +171,8 @@ class P2PBackend:
 
     def __init__(self, group: dist.ProcessGroup | None = None, *,
                  min_bytes: int | None = None, tile_elems: int | None = None,
-                 num_warps: int = 8, fused: bool | None = None, programs_per_sm: int = 2):
+                 num_warps: int = 8, fused: bool | None = None, programs_per_sm: int = 4,
+                 fused_max_bytes: int | None = None):
         from ..kernels import allreduce_kernels as ak
         from ..kernels import flags
         self._ak, self._flags = ak, flags
@@ -176,12 +188,17 @@ class P2PBackend:
         self.tile_elems = tile_elems or ak.TILE_ELEMS
         self.num_warps = num_warps
         self.fused = envs.p2p_fused() if fused is None else fused
-        """One fused kernel per call (default), or the three stage kernels."""
+        """True: one fused kernel per call; False: the three stage kernels; None: by size
+        (fused up to `fused_max_bytes`)."""
+        self.fused_max_bytes = FUSED_MAX_BYTES.get(self.world_size, FUSED_MAX_BYTES[2]) \
+            if fused_max_bytes is None else fused_max_bytes
         self.programs = programs_per_sm * agreed_sm_count(group, self.device) \
-            if self.fused else 0
+            if self.fused is not False else 0
         """Programs of the fused kernel: `programs_per_sm` x the smallest SM count of the
-        group (the sm_90 build takes <= 128 registers per thread at 8 warps, so two programs
-        fit on an SM: all resident at once), the same on every rank."""
+        group, the same on every rank. The sm_90 build takes <= 128 registers per thread at 8
+        warps, so two programs are resident per SM; the others start as those finish (each
+        program waits only on the same program of the peers, which the GPUs start in the same
+        order). 4 per SM measured 1.7x faster than 2 at 1 GiB, and no slower at 64 KiB."""
         self.use_timer = True                         # %globaltimer; poll count if it fails
         self._err = flags.new_error_buffer(True)
         self._err_np = self._err.numpy()
@@ -232,12 +249,14 @@ class P2PBackend:
         why = self._ak.supported(x, cfg, state)
         if why is not None:
             raise ValueError(f"p2p backend cannot run this call: {why}")
-        ws = self._workspace(x, cfg)
+        fused = self.fused if self.fused is not None else \
+            x.numel() * x.element_size() <= self.fused_max_bytes
+        ws = self._workspace(x, cfg, fused)
         fs = None
         if backward and cfg.grad_scaling:
             fs = grad_scale(self._ak.local_amax(x, state, cfg), self.transport)   # [1]
         y = torch.empty_like(x)
-        if self.fused:
+        if fused:
             plan = self._ak.CallPlan(rank=self.rank, lay=ws.lay, cfg=cfg, x=x, state=state,
                                      fs=fs, epoch=ws.epochs, table=ws.table,
                                      timeout=self._timeout_units(), use_timer=self.use_timer,
@@ -276,18 +295,21 @@ class P2PBackend:
         self._ws_by_call.clear()
 
     # ----- helpers -----
-    def _workspace(self, x: torch.Tensor, cfg: EchoConfig) -> "_Workspace":
+    def _workspace(self, x: torch.Tensor, cfg: EchoConfig, fused: bool) -> "_Workspace":
+        """The workspace of a call's layout and kernel form (the fused kernel's per-program
+        epochs and the stage kernels' single epoch never share flags)."""
         spec = cfg.quant_spec()
-        call_key = (x.numel(), x.dtype, spec)
+        call_key = (x.numel(), x.dtype, spec, fused)
         ws = self._ws_by_call.get(call_key)
         if ws is not None:
             return ws
         lay = self._ak.Layout.build(x.numel(), self.world_size, spec, self.tile_elems)
-        key = (x.dtype, spec.bits, spec.quantizer, spec.group_size, self.world_size, lay.seg)
+        key = (x.dtype, spec.bits, spec.quantizer, spec.group_size, self.world_size, lay.seg,
+               fused)
         ws = self._ws.get(key)
         if ws is None:
             ws = self._ws[key] = _Workspace(lay, self.group, self.rank, self.device, self._err,
-                                            self.programs)
+                                            self.programs if fused else 0)
         self._ws_by_call[call_key] = ws
         return ws
 

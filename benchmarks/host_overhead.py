@@ -1,0 +1,116 @@
+"""Where an eager small all-reduce spends its host time, per rank (P GPUs, one message size).
+
+    python benchmarks/host_overhead.py --world 2 --kb 64 --out $OUT
+
+For each method: `host_us`, the CPU time per call of `calls` back-to-back calls issued without
+synchronizing (what bounds an eager decode step when the GPU work is shorter), and `wall_us`,
+the time per call including the wait for the GPU; then a cProfile of the communicator path and
+of the fused p2p call on rank 0 (top functions by own time). Methods: nccl16 (dist.all_reduce),
+oneshot16, p2p4 (fused kernel), p2p4-staged (three kernels), auto4 (EchoCommunicator,
+backend='auto', in place).
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import time
+
+import torch
+import torch.distributed as dist
+
+from allreduce import SAFE_ENV, spawn_nccl
+
+
+def _host_and_wall(fn, calls: int) -> tuple[float, float]:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    return (t1 - t0) / calls * 1e6, (t2 - t0) / calls * 1e6
+
+
+def _profile(fn, calls: int) -> str:
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(14)
+    return s.getvalue()
+
+
+def worker(rank: int, world: int, nbytes: int, calls: int) -> dict:
+    from echo_tp.collective.oneshot import OneShotBackend
+    from echo_tp.collective.p2p import P2PBackend
+    from echo_tp.communicator import EchoCommunicator
+    from echo_tp.config import EchoConfig
+    from echo_tp.kernels import allreduce_kernels as ak
+    n = nbytes // 2
+    x = (torch.randn(n, device="cuda") * 1e-3).to(torch.bfloat16)
+    buf = x.clone()
+    cfg = EchoConfig(bits=4, eta=0.0)
+    fused = P2PBackend(None, min_bytes=0, fused=True)
+    staged = P2PBackend(None, min_bytes=0, fused=False)
+    one = OneShotBackend(None, cap_bytes=max(nbytes, 1 << 20))
+    comm = EchoCommunicator.from_group(None, cfg)
+    comm.new_pass()
+    methods = {
+        "nccl16": lambda: dist.all_reduce(buf),
+        "oneshot16": lambda: one.run(buf, cfg, state=None, backward=False, record=False,
+                                     inplace=True),
+        "p2p4": lambda: fused.run(x, cfg, state=None, backward=False, record=False),
+        "p2p4-staged": lambda: staged.run(x, cfg, state=None, backward=False, record=False),
+        "auto4": lambda: comm.all_reduce(buf, inplace=True),
+    }
+    out = {"rows": {}}
+    for name, fn in methods.items():
+        host, wall = _host_and_wall(fn, calls)
+        out["rows"][name] = {"host_us": round(host, 1), "wall_us": round(wall, 1)}
+    out["backend_auto"] = comm.dispatcher.last_backend
+    out["fast_launch_entries"] = len(ak._FAST)
+    if rank == 0:
+        out["profile_auto4"] = _profile(methods["auto4"], calls)
+        out["profile_p2p4"] = _profile(methods["p2p4"], calls)
+    else:
+        _profile(methods["auto4"], calls)
+        _profile(methods["p2p4"], calls)
+    for b in (fused, staged, one):
+        b.check_error()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--kb", type=int, default=64)
+    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    a = ap.parse_args()
+    os.environ.update(SAFE_ENV)
+    res = spawn_nccl(a.world, worker, a.kb << 10, a.calls)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, f"host_overhead_P{a.world}_{a.kb}KB.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    for r, d in enumerate(res):
+        print(f"rank {r}: auto picked {d['backend_auto']}, fast-launch entries "
+              f"{d['fast_launch_entries']}")
+        for name, row in d["rows"].items():
+            print(f"  {name:12s} host {row['host_us']:7.1f} us/call   wall {row['wall_us']:7.1f}")
+    print(res[0]["profile_auto4"])
+    print(res[0]["profile_p2p4"])
+
+
+if __name__ == "__main__":
+    main()
