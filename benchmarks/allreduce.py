@@ -7,7 +7,8 @@ each bracketed by CUDA events; the median per rank, the max over ranks reported.
 nccl16 (dist.all_reduce, in place), oneshot16 (the 16-bit one-shot kernel, in place, small
 sizes), ref4/ref8 (reference backend, uncompensated), p2p8/p2p4 (uncompensated, one fused
 kernel per call), p2p4-staged (the same as three stage kernels), p2p4c-out / p2p4c-loc (4-bit
-compensated, residual output / local; -staged: three kernels), p2p4-graph (p2p4 replayed from a
+compensated, residual output / local; -staged: three kernels; -bf16: bf16 compensator
+state), p2p4-graph (p2p4 replayed from a
 CUDA graph, small sizes), auto4 / auto4c (EchoCommunicator with backend='auto', 4-bit
 uncompensated / compensated (local), in place like nccl16: what a TP layer gets, the dispatch
 picking one-shot, p2p or the plain bf16 all-reduce per size). Bus
@@ -240,9 +241,11 @@ def bench_worker(rank: int, world: int, sizes=SIZES, methods=METHODS, iters: int
                             by_pps[pps] = P2PBackend(None, min_bytes=0, programs_per_sm=pps,
                                                      fused=True, **p2p_kwargs)
                         be = by_pps[pps]
+                    sdt = "bfloat16" if "-bf16" in method else "float32"
                     cfg = EchoConfig(bits=bits, eta=0.75 if comp else 0.0,
-                                     residual="local" if "-loc" in method else "output")
-                    state = CompState.zeros(n, "cuda") if comp else None
+                                     residual="local" if "-loc" in method else "output",
+                                     state_dtype=sdt)
+                    state = CompState.zeros(n, "cuda", getattr(torch, sdt)) if comp else None
                     fn = lambda: be.run(x, cfg, state=state, backward=False,  # noqa: E731
                                         record=False)
                 fn()

@@ -179,3 +179,27 @@ def test_bad_input_gets_clear_errors():
     x[1, 3] = float("nan")
     y = sim.all_reduce(x)[0]
     assert torch.isnan(y[:128]).all() and torch.isfinite(y[128:]).all()
+
+
+def test_bf16_state_rounds_once_per_update():
+    """A bf16 state is read exactly, updated in fp32 and rounded once (RNE) on store; the
+    communicator keeps it bf16 and the correction it yields is the fp32 formula on those values."""
+    from echo_tp.compensator import CompState, correction, update_
+    from echo_tp.config import CompensatorConstants
+    cfg = EchoConfig(bits=4, state_dtype="bfloat16")
+    k = CompensatorConstants.from_config(cfg)
+    g = torch.Generator().manual_seed(3)
+    st = CompState(torch.randn(1000, generator=g).bfloat16(), torch.randn(1000, generator=g).bfloat16())
+    m1, m2 = st.m1.float(), st.m2.float()
+    u = torch.randn(1000, generator=g)
+    assert torch.equal(correction(st, k), (m1 * k.a + m2 * k.one_minus_a) * k.eta)
+    update_(st, u, k)
+    assert st.m1.dtype == torch.bfloat16
+    assert torch.equal(st.m1, (m1 * k.beta1 + u * k.one_minus_beta1).to(torch.bfloat16))
+    assert torch.equal(st.m2, (m2 * k.beta2 + u * k.one_minus_beta2).to(torch.bfloat16))
+    comm = SimulatedCommunicator(4, cfg)
+    comm.new_pass()
+    comm.all_reduce(torch.randn(4, 512, generator=g).bfloat16())
+    assert comm.state().m1.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="state_dtype"):
+        EchoConfig(state_dtype="float16")

@@ -177,6 +177,29 @@ def test_fused_allreduce_matches_reference(P, bits, quantizer, residual, dtype, 
         assert_bits_equal(state.m2, ref_state.m2, f"m2 call={call}")
 
 
+@pytest.mark.parametrize("P,bits,residual,backward", [(2, 4, "local", False),
+                                                      (3, 4, "output", True),
+                                                      (4, 8, "local", True)])
+def test_fused_bf16_state_matches_reference(P, bits, residual, backward):
+    """state_dtype='bfloat16': kernels and reference read the state exactly, compute in fp32
+    and round once to bf16 on store, so y and the state still match bit for bit."""
+    cfg = EchoConfig(bits=bits, residual=residual, state_dtype="bfloat16")
+    n = 1400 + 41 * P
+    sim = sf.SimulatedFused(P, tile_elems=256)
+    ref_state = CompState.zeros((P, n), "cpu", torch.bfloat16)
+    state = CompState.zeros((P, n), "cpu", torch.bfloat16)
+    for call in range(3):
+        x = _fused_input(P, n, torch.bfloat16, seed=700 + 10 * P + call,
+                         scale=1e-6 if backward else 1.0)
+        want, _ = compensated_all_reduce(x, cfg, SimTransport(P), state=ref_state,
+                                         backward=backward)
+        got = sim(x, cfg, state=state, backward=backward)
+        assert_bits_equal(got, want, f"y call={call}")
+        assert_bits_equal(state.m1, ref_state.m1, f"m1 call={call}")
+        assert_bits_equal(state.m2, ref_state.m2, f"m2 call={call}")
+    assert state.m1.dtype == torch.bfloat16 and bool(state.m1.abs().sum() > 0)
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_fused_uncompensated_and_nonfinite(bits):
     """No state (eta = 0 path) and NaN/Inf inputs: y matches, NaN lands in the same places."""

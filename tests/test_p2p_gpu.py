@@ -28,7 +28,7 @@ from harness import run_ranks
 
 NEEDS = "needs >= {} CUDA GPUs with peer access"
 
-# (bits, quantizer, residual, eta, dtype, backward, numel)
+# (bits, quantizer, residual, eta, dtype, backward, numel[, state dtype])
 CASES = [
     (4, "zero_aware", "output", 0.75, "bfloat16", False, 1 << 20),
     (4, "zero_aware", "local", 0.75, "bfloat16", False, 3_000_017),
@@ -39,6 +39,8 @@ CASES = [
     (4, "zero_aware", "output", 0.75, "bfloat16", True, 2_000_000),
     (8, "symmetric", "output", 0.0, "bfloat16", False, 999_999),
     (4, "zero_aware", "output", 0.0, "float16", False, 4096 * 5 + 3),
+    (4, "zero_aware", "local", 1.0, "bfloat16", False, 2_000_003, "bfloat16"),   # bf16 state
+    (4, "naive", "output", 0.75, "bfloat16", True, 1_000_000, "bfloat16"),
 ]
 
 
@@ -87,13 +89,15 @@ def exactness_worker(rank: int, world: int, cases=CASES, calls: int = 3, group=N
     calls = int(os.environ.get("ECHO_TEST_CALLS", calls))
     ref = TransportBackend(DistTransport(group))
     out = []
-    for ci, (bits, quantizer, residual, eta, dtype, backward, n) in enumerate(cases):
-        cfg = EchoConfig(bits=bits, quantizer=quantizer, residual=residual, eta=eta)
+    for ci, case in enumerate(cases):
+        bits, quantizer, residual, eta, dtype, backward, n = case[:7]
+        sdt = case[7] if len(case) > 7 else "float32"
+        cfg = EchoConfig(bits=bits, quantizer=quantizer, residual=residual, eta=eta,
+                         state_dtype=sdt)
         comp = cfg.compensated
-        st_p = CompState.zeros(n, "cuda") if comp else None
-        st_r = CompState.zeros(n, "cuda") if comp else None
-        row = {"case": (bits, quantizer, residual, eta, dtype, backward, n), "y": 0, "m1": 0,
-               "m2": 0}
+        st_p = CompState.zeros(n, "cuda", getattr(torch, sdt)) if comp else None
+        st_r = CompState.zeros(n, "cuda", getattr(torch, sdt)) if comp else None
+        row = {"case": case, "y": 0, "m1": 0, "m2": 0}
         for call in range(calls):
             x = _input(n, dtype, rank, seed=1000 * ci + call, backward=backward)
             y_r, _ = ref.run(x, cfg, state=st_r, backward=backward, record=False)

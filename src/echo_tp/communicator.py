@@ -109,7 +109,7 @@ class EchoCommunicator:
             check_same_shape(flat, self.group)
         state = None
         if cfg.compensated:
-            sdtype = torch.float64 if cfg.state_dtype == "float64" else torch.float32
+            sdtype = getattr(torch, cfg.state_dtype)
             state = ps.get(flat.shape[-1], tuple(flat.shape[:-1]), flat.device, sdtype)
         record = self.telemetry is not None and cfg.quantized
         inplace = inplace and x.is_contiguous() and (flat is x or flat.data_ptr() == x.data_ptr())

@@ -1,7 +1,8 @@
 """The two-timescale error-feedback compensator (SPEC.md §4, paper Algorithm 1).
 
-State per rank and pass direction: m1, m2 (fp32, one entry per element of the site's tensor),
-reset to zero at the start of every pass. At every site:
+State per rank and pass direction: m1, m2 (one entry per element of the site's tensor; fp32 by
+default, bf16 or fp64 by EchoConfig.state_dtype), reset to zero at the start of every pass.
+At every site:
 
     c  = eta * (a*m1 + (1-a)*m2)          # correction, applied to x before quantization
     x' = x + c
@@ -12,7 +13,8 @@ reset to zero at the start of every pass. At every site:
     m2 = beta2*m2 + (1-beta2)*u
 
 Every product and sum is a separate fp32 rounding with the fp32-rounded constants of
-`CompensatorConstants`; fused kernels must reproduce exactly this order.
+`CompensatorConstants`; fused kernels must reproduce exactly this order. A bf16 state is read
+as fp32 (exact), computed on in fp32, and rounded once to bf16 (RNE) when stored.
 
 Sites of different sizes in one pass: the state is kept per element count, so each distinct
 tensor size forms its own error stream (all TP sites of one model share the size of the hidden
@@ -40,16 +42,23 @@ class CompState:
                    torch.zeros(shape, device=device, dtype=dtype))
 
 
+def _compute(t: torch.Tensor) -> torch.Tensor:
+    """The state as the arithmetic sees it: fp32 for a bf16 state (exact), else itself."""
+    return t.float() if t.dtype == torch.bfloat16 else t
+
+
 def correction(state: CompState, k: CompensatorConstants) -> torch.Tensor:
     """c = eta * (a*m1 + (1-a)*m2), each operation rounded on its own."""
-    return (state.m1 * k.a + state.m2 * k.one_minus_a) * k.eta
+    return (_compute(state.m1) * k.a + _compute(state.m2) * k.one_minus_a) * k.eta
 
 
 def update_(state: CompState, u: torch.Tensor, k: CompensatorConstants) -> None:
-    """m1 = beta1*m1 + (1-beta1)*u; m2 = beta2*m2 + (1-beta2)*u, in place."""
-    u = u.to(state.m1.dtype)
-    state.m1.copy_(state.m1 * k.beta1 + u * k.one_minus_beta1)
-    state.m2.copy_(state.m2 * k.beta2 + u * k.one_minus_beta2)
+    """m1 = beta1*m1 + (1-beta1)*u; m2 = beta2*m2 + (1-beta2)*u, in place (computed in the
+    state's arithmetic dtype, then stored: one rounding to bf16 for a bf16 state)."""
+    m1, m2 = _compute(state.m1), _compute(state.m2)
+    u = u.to(m1.dtype)
+    state.m1.copy_(m1 * k.beta1 + u * k.one_minus_beta1)
+    state.m2.copy_(m2 * k.beta2 + u * k.one_minus_beta2)
 
 
 def output_residual(x_prime: torch.Tensor, y: torch.Tensor, world_size: int) -> torch.Tensor:

@@ -227,7 +227,7 @@ class P2PBackend:
     def supports(self, x: torch.Tensor, cfg: EchoConfig) -> bool:
         """Whether the kernels can run this call at all (any size)."""
         return (cfg.bits in (4, 8) and x.is_cuda and x.device == self.device
-                and x.dtype in DTYPES and cfg.state_dtype == "float32"
+                and x.dtype in DTYPES and cfg.state_dtype in self._ak.STATE_DTYPES
                 and x.dim() == 1 and x.is_contiguous())
 
     def should_use(self, x: torch.Tensor, cfg: EchoConfig) -> bool:

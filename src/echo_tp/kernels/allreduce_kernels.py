@@ -36,6 +36,9 @@ from .flags import signal, wait_geq
 from .quant_kernels import (DTYPE_KIND, LAUNCH_OPTS, _cast_out, _codes, _dequant, _group_params,
                             _load_codes, _load_f32, _store_codes, f32, spec_constexprs)
 
+STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+"""Compensator state dtypes the kernels read and write (EchoConfig.state_dtype)."""
+
 TILE_ELEMS = 2048
 """Values per tile (one program, one flag): a multiple of the group size."""
 
@@ -48,8 +51,8 @@ def _x_prime(x_ptr, m1_ptr, m2_ptr, e, emask, eta, a, oma, X_KIND: tl.constexpr,
     """x' = x + (m1*a + m2*(1-a))*eta at element ids e (masked lanes 0) -> (x', m1, m2)."""
     x = _load_f32(x_ptr + e, emask, X_KIND)
     if COMP:
-        m1 = tl.load(m1_ptr + e, mask=emask, other=0.0)
-        m2 = tl.load(m2_ptr + e, mask=emask, other=0.0)
+        m1 = _load_state(m1_ptr + e, emask)
+        m2 = _load_state(m2_ptr + e, emask)
         xp = x + (m1 * a + m2 * oma) * eta
     else:
         m1 = x
@@ -73,10 +76,30 @@ def _x_scaled(x_ptr, m1_ptr, m2_ptr, fs_ptr, e, emask, eta, a, oma, X_KIND: tl.c
 
 
 @triton.jit
+def _load_state(ptr, mask):
+    """Compensator state as fp32: fp32 as is, bf16 widened exactly (the pointer's dtype,
+    a compile-time choice)."""
+    if ptr.dtype.element_ty == tl.bfloat16:
+        v = _load_f32(ptr, mask, 2)
+    else:
+        v = tl.load(ptr, mask=mask, other=0.0)
+    return v
+
+
+@triton.jit
+def _store_state(ptr, v, mask):
+    """fp32 values into the state: as is, or rounded once to bf16 (RNE)."""
+    if ptr.dtype.element_ty == tl.bfloat16:
+        tl.store(ptr, _cast_out(v, 2), mask=mask)
+    else:
+        tl.store(ptr, v, mask=mask)
+
+
+@triton.jit
 def _update(m1_ptr, m2_ptr, e, emask, m1, m2, u, b1, omb1, b2, omb2):
     """m1 = m1*beta1 + u*(1-beta1); m2 = m2*beta2 + u*(1-beta2) at element ids e."""
-    tl.store(m1_ptr + e, m1 * b1 + u * omb1, mask=emask)
-    tl.store(m2_ptr + e, m2 * b2 + u * omb2, mask=emask)
+    _store_state(m1_ptr + e, m1 * b1 + u * omb1, emask)
+    _store_state(m2_ptr + e, m2 * b2 + u * omb2, emask)
 
 
 @triton.jit
@@ -574,8 +597,9 @@ def supported(x: torch.Tensor, cfg: EchoConfig, state: CompState | None = None) 
         return "bits=16 is the plain all-reduce"
     if x.dtype not in DTYPE_KIND:
         return f"dtype {x.dtype} is not bf16/fp16/fp32"
-    if cfg.state_dtype != "float32" or (state is not None and state.m1.dtype != torch.float32):
-        return "compensator state must be fp32"
+    if cfg.state_dtype not in STATE_DTYPES or (
+            state is not None and state.m1.dtype != STATE_DTYPES[cfg.state_dtype]):
+        return "compensator state must be fp32 or bf16, as the config says"
     if x.dim() != 1 or not x.is_contiguous():
         return "input must be a contiguous 1-D tensor"
     return None
