@@ -234,13 +234,18 @@ def bench_worker(rank: int, world: int, sizes=SIZES, methods=METHODS, iters: int
                 else:
                     bits = int(method[3])
                     comp = method.startswith("p2p4c")
-                    be = staged if method.endswith("-staged") else p2p
-                    if "@pps" in method:          # launch-shape variant: programs per SM
-                        pps = int(method.split("@pps")[1])
-                        if pps not in by_pps:
-                            by_pps[pps] = P2PBackend(None, min_bytes=0, programs_per_sm=pps,
-                                                     fused=True, **p2p_kwargs)
-                        be = by_pps[pps]
+                    base, _, variant = method.partition("@")
+                    be = staged if base.endswith("-staged") else p2p
+                    if variant:     # launch shape: @ppsK (fused, K programs/SM), @wK (warps)
+                        if method not in by_pps:
+                            kw = dict(p2p_kwargs)
+                            if variant.startswith("pps"):
+                                kw.update(programs_per_sm=int(variant[3:]), fused=True)
+                            else:
+                                kw.update(num_warps=int(variant[1:]),
+                                          fused=False if base.endswith("-staged") else None)
+                            by_pps[method] = P2PBackend(None, min_bytes=0, **kw)
+                        be = by_pps[method]
                     sdt = "bfloat16" if "-bf16" in method else "float32"
                     cfg = EchoConfig(bits=bits, eta=0.75 if comp else 0.0,
                                      residual="local" if "-loc" in method else "output",

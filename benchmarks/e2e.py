@@ -7,7 +7,9 @@ interconnect load. Every row of the table comes from the same run.
 Per model shape (random weights, all layers, bf16):
   * prefill (TTFT): one forward of [batch, 2048] tokens, a large batch (all-reduce message
     ~ --big-mb per call) and a small one;
-  * decode: one token for a small batch with a KV cache (messages of KB);
+  * decode: one token for a small batch with a KV cache (messages of KB), eager (--decode-iters
+    repetitions: a host-bound step varies more) and replayed from a CUDA graph captured per
+    communicator after an eager warm-up (how serving engines run decode);
   * train: forward + backward of [train-batch, 2048] (both directions compensated, gradient
     scaling included); no optimizer step;
   * each timed for comm in {nccl16, echo4, echo8, early8} and with the all-reduce replaced by
@@ -117,6 +119,26 @@ def bench_model(name: str, a, rank: int, world: int) -> list[dict]:
                 model(nxt, start_pos=64, kv_cache=cache, last_only=True)
         return run
 
+    def decode_graph(b):
+        """-> a factory: called after the communicator is set, it warms up eagerly (allocating
+        the backends' buffers outside capture), captures one decode step, returns its replay."""
+        eager = decode(b)
+
+        def capture():
+            for _ in range(2):
+                eager()
+            torch.cuda.synchronize()
+            dist.barrier()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                eager()
+            torch.cuda.synchronize()
+            graphs.append(graph)
+            return graph.replay
+        return capture
+
+    graphs: list = []
+
     def train(b):
         x = tokens(b, a.seq)
 
@@ -128,10 +150,12 @@ def bench_model(name: str, a, rank: int, world: int) -> list[dict]:
         return run
 
     cases = [("prefill", big_b, prefill), ("prefill", a.small_batch, prefill),
-             ("decode", a.decode_batch, decode), ("train", a.train_batch, train)]
+             ("decode", a.decode_batch, decode), ("decode-graph", a.decode_batch, decode_graph),
+             ("train", a.train_batch, train)]
     for kind, b, make in cases:
-        msg_mb = b * (1 if kind == "decode" else a.seq) * cfg.dim * 2 / 2**20
+        msg_mb = b * (1 if kind.startswith("decode") else a.seq) * cfg.dim * 2 / 2**20
         loads = a.loads if kind in ("prefill", "train") and b != a.small_batch else [0.0]
+        iters = a.decode_iters if kind.startswith("decode") else a.iters
         fn = make(b)
         for duty in loads:
             row = {"model": name, "kind": kind, "batch": b, "msg_mb": msg_mb, "load": duty}
@@ -140,7 +164,9 @@ def bench_model(name: str, a, rank: int, world: int) -> list[dict]:
                     if kind == "train" and key == "no-ar" and duty:
                         continue
                     with_comm(key)
-                    row[key] = timed(fn, a.iters)
+                    step = fn() if kind == "decode-graph" else fn   # capture per communicator
+                    row[key] = timed(step, iters)
+            graphs.clear()
             base = row["nccl16"]
             for key in COMMS:
                 row[f"speedup_{key}"] = base / row[key]
@@ -173,6 +199,31 @@ def markdown(rows: list[dict], meta: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def plot(rows: list[dict], meta: dict, path: Path) -> None:
+    """Speedup over NCCL per row and comm, with the Amdahl bound as a marker."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    labels = [f"{r['model'].split('-')[0]} {r['kind']} b{r['batch']} {100 * r['load']:.0f}%"
+              for r in rows]
+    fig, ax = plt.subplots(figsize=(max(8, 0.6 * len(rows)), 4.5))
+    width = 0.25
+    for k, key in enumerate(("echo4", "echo8", "early8")):
+        ax.bar([i + (k - 1) * width for i in range(len(rows))],
+               [r[f"speedup_{key}"] for r in rows], width, label=key)
+    ax.plot(range(len(rows)), [r.get("amdahl_bound", float("nan")) for r in rows], "k_",
+            markersize=14, label="Amdahl bound (free all-reduce)")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("speedup over NCCL 16-bit")
+    ax.set_title(f"TP={meta['world_size']}, {meta['gpus']}, {meta['date']}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", nargs="+", default=["llama-3-8b", "qwen3-8b"])
@@ -183,6 +234,7 @@ def main() -> None:
     ap.add_argument("--train-batch", type=int, default=4)
     ap.add_argument("--loads", type=float, nargs="+", default=[0.0, 0.5, 0.75, 1.0])
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--decode-iters", type=int, default=30)
     ap.add_argument("--out", type=Path, default=Path("docs/results"))
     a = ap.parse_args()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -203,6 +255,10 @@ def main() -> None:
         (a.out / f"e2e-P{world}.json").write_text(json.dumps({"meta": meta, "rows": rows},
                                                              indent=1) + "\n")
         (a.out / f"e2e-P{world}.md").write_text(markdown(rows, meta))
+        try:
+            plot(rows, meta, a.out / f"e2e-P{world}.png")
+        except Exception as e:  # noqa: BLE001 - the table is the record
+            print(f"plot failed: {e}")
         print(markdown(rows, meta))
     dist.destroy_process_group()
 
