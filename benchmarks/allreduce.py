@@ -236,14 +236,16 @@ def bench_worker(rank: int, world: int, sizes=SIZES, methods=METHODS, iters: int
                     comp = method.startswith("p2p4c")
                     base, _, variant = method.partition("@")
                     be = staged if base.endswith("-staged") else p2p
-                    if variant:     # launch shape: @ppsK (fused, K programs/SM), @wK (warps)
-                        if method not in by_pps:
-                            kw = dict(p2p_kwargs)
-                            if variant.startswith("pps"):
-                                kw.update(programs_per_sm=int(variant[3:]), fused=True)
-                            else:
-                                kw.update(num_warps=int(variant[1:]),
-                                          fused=False if base.endswith("-staged") else None)
+                    if variant:     # launch shape: ppsK (fused, K programs/SM), wK (warps),
+                        if method not in by_pps:          # tK (values per tile), e.g. @w4t4096
+                            import re
+                            kw = dict(p2p_kwargs,
+                                      fused=False if base.endswith("-staged") else None)
+                            for k, v in re.findall(r"(pps|w|t)(\d+)", variant):
+                                if k == "pps":
+                                    kw.update(programs_per_sm=int(v), fused=True)
+                                else:
+                                    kw["num_warps" if k == "w" else "tile_elems"] = int(v)
                             by_pps[method] = P2PBackend(None, min_bytes=0, **kw)
                         be = by_pps[method]
                     sdt = "bfloat16" if "-bf16" in method else "float32"
