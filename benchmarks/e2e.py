@@ -152,6 +152,7 @@ def bench_model(name: str, a, rank: int, world: int) -> list[dict]:
     cases = [("prefill", big_b, prefill), ("prefill", a.small_batch, prefill),
              ("decode", a.decode_batch, decode), ("decode-graph", a.decode_batch, decode_graph),
              ("train", a.train_batch, train)]
+    cases = [c for c in cases if c[0] in a.cases]
     for kind, b, make in cases:
         msg_mb = b * (1 if kind.startswith("decode") else a.seq) * cfg.dim * 2 / 2**20
         loads = a.loads if kind in ("prefill", "train") and b != a.small_batch else [0.0]
@@ -160,7 +161,7 @@ def bench_model(name: str, a, rank: int, world: int) -> list[dict]:
         for duty in loads:
             row = {"model": name, "kind": kind, "batch": b, "msg_mb": msg_mb, "load": duty}
             with BackgroundLoad(duty=duty, rank=rank, world_size=world):
-                for key in ["no-ar", *COMMS]:
+                for key in ["no-ar", *a.order]:
                     if kind == "train" and key == "no-ar" and duty:
                         continue
                     with_comm(key)
@@ -235,6 +236,10 @@ def main() -> None:
     ap.add_argument("--loads", type=float, nargs="+", default=[0.0, 0.5, 0.75, 1.0])
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--decode-iters", type=int, default=30)
+    ap.add_argument("--cases", nargs="+", default=["prefill", "decode", "decode-graph", "train"],
+                    choices=["prefill", "decode", "decode-graph", "train"])
+    ap.add_argument("--order", nargs="+", default=list(COMMS), choices=list(COMMS),
+                    help="the order the communicators are timed in (all four are needed)")
     ap.add_argument("--out", type=Path, default=Path("docs/results"))
     a = ap.parse_args()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
