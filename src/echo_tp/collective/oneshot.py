@@ -24,8 +24,8 @@ log = logging.getLogger(__name__)
 
 MAX_BYTES: dict[int, int] = {
     # P -> the largest message (bytes per rank) 'auto' sends through the one-shot kernel.
-    # 2026-11-29, 2 H200s (docs/results/2026-11-29-allreduce-P2-r4.md), 4 programs per SM:
-    # 1.27-1.33x NCCL at 256 KiB-4 MiB, 1.06x at 16 MiB, 0.86x at 64 MiB.
+    # 2026-11-29, 2 H200s (docs/results/2026-11-29-p2p-x2-r2.md), 4 programs per SM:
+    # 1.3-2.2x NCCL at 64 KiB-4 MiB, 1.05-1.07x at 16 MiB, 0.85x at 64 MiB.
     2: 16 << 20,
 }
 """Unmeasured P take 1 MiB (each rank pushes P-1 copies of its input, so the one-shot path's

@@ -5,19 +5,24 @@ receive slots for the segment packets its peers push, gather slots for the owner
 packets, and int64 readiness flags. Kernels store codes and fp16 parameters straight into the
 peers' buffers (their addresses come from the symmetric-memory handle; NVLink multicast is never
 used) and signal per tile with flags whose values only grow (the call's epoch). Per call, on the
-current stream and without a host synchronization:
+current stream and without a host synchronization, either
 
+    one fused kernel (messages up to FUSED_MAX_BYTES): entry, reduce and tail of every tile,
+        per-program epochs bumped by the kernel itself; one launch, or
     epoch += 1 (device)  ->  entry (quantize + push)  ->  reduce (owner sum, requantize, push to
-    all)  ->  tail (decode, y, output-residual state update)
+        all)  ->  tail (decode, y, output-residual state update): the stage kernels, which keep
+        more bytes in flight on large messages.
 
-Backward calls with grad_scaling add one kernel for the local max |x'| and the reference's
-`grad_scale` (one scalar MAX all-reduce through the process group) before entry.
+Launches after the first of each specialization skip triton's JIT dispatch
+(allreduce_kernels.launch). Backward calls with grad_scaling add one kernel for the local max
+|x'| and the reference's `grad_scale` (one scalar MAX all-reduce through the process group)
+before entry.
 
 Bit-identical to the reference backend (collective/qar.py over DistTransport) for the same
 inputs, state and config; calls with record=True run the reference itself. Waits are bounded by
 ECHO_FLAG_TIMEOUT_S: a timed-out kernel writes (rank, stage, tile, peer) to pinned host memory
 and the next call raises RuntimeError (`check_error()` syncs and raises at once).
-Workspaces are cached per (dtype, bits, policy, P, segment length).
+Workspaces are cached per (dtype, bits, policy, P, segment length, kernel form).
 """
 from __future__ import annotations
 
@@ -38,23 +43,24 @@ log = logging.getLogger(__name__)
 CROSSOVER: dict[tuple[int, bool], int | None] = {
     # (P, compensated) -> smallest message (bytes per rank) from which an eager p2p call beats
     # NCCL's bf16 all-reduce by >= 5% at every larger measured size; None: never measured faster.
-    # 2026-11-29, 2 H200s, NVLink (docs/results/2026-11-29-allreduce-P2-r4.md): uncompensated
-    # 4-bit (stage kernels) 1.11x at 64 MiB, 1.50-1.56x from 128 MiB; compensated 0.73-0.80x at
-    # every size (fp32 m1/m2 traffic).
+    # 2026-11-29, 2 H200s, NVLink (docs/results/2026-11-29-p2p-x2-r2.md): uncompensated
+    # 4-bit 1.49-1.65x at 64 MiB, 1.82-1.89x from 128 MiB (16 MiB: 1.12x, but the one-shot
+    # 16-bit kernel is as fast there and exact); compensated 0.75-0.90x at 16 MiB-1 GiB (state
+    # traffic), so never.
     (2, False): 64 << 20,
     (2, True): None,
 }
 """Unmeasured P use P=2's entries (NCCL's own cost grows with P, so this errs on NCCL's side).
 Inside CUDA graph capture the launch cost is gone: uncompensated calls take p2p at every size
-(2.4-3.5x NCCL measured up to 4 MiB). ECHO_P2P_MIN_BYTES overrides the table."""
+(graph replay 2.4-3.6x NCCL's eager call up to 4 MiB). ECHO_P2P_MIN_BYTES overrides the table."""
 
 
 FUSED_MAX_BYTES: dict[int, int] = {
     # P -> the largest message (bytes per rank) run as one fused kernel; larger ones run as
-    # the three stage kernels. 2026-11-29, 2 H200s: the fused kernel saves two launches (eager
-    # 64 KiB-16 MiB: 0.06-0.11 ms vs 0.15-0.45 ms staged) but its programs walk their tiles one
-    # after another, so from 64 MiB the staged kernels (many more CTAs in flight) move bytes
-    # faster (64 MiB 0.22 vs 0.25 ms, 1 GiB 2.18 vs 3.92 ms).
+    # the three stage kernels. 2026-11-29, 2 H200s: the fused kernel saves three launches (host
+    # time per eager call 0.025 ms vs 0.11-0.13 ms) but its programs walk their tiles one after
+    # another, so from 64 MiB the stage kernels (many more CTAs in flight) move bytes faster
+    # (1 GiB: 1.78 ms vs 3.75-3.92 ms fused).
     2: 32 << 20,
 }
 """Unmeasured P use P=2's entry."""
