@@ -8,7 +8,7 @@ nccl16 (dist.all_reduce, in place), oneshot16 (the 16-bit one-shot kernel, in pl
 sizes), ref4/ref8 (reference backend, uncompensated), p2p8/p2p4 (uncompensated, one fused
 kernel per call), p2p4-staged (the same as three stage kernels), p2p4c-out / p2p4c-loc (4-bit
 compensated, residual output / local; -staged: three kernels; -bf16: bf16 compensator
-state), p2p4-graph (p2p4 replayed from a
+state; -single: beta1 = beta2 = 0, one state tensor), p2p4-graph (p2p4 replayed from a
 CUDA graph, small sizes), auto4 / auto4c (EchoCommunicator with backend='auto', 4-bit
 uncompensated / compensated (local), in place like nccl16: what a TP layer gets, the dispatch
 picking one-shot, p2p or the plain bf16 all-reduce per size). Bus
@@ -249,10 +249,13 @@ def bench_worker(rank: int, world: int, sizes=SIZES, methods=METHODS, iters: int
                             by_pps[method] = P2PBackend(None, min_bytes=0, **kw)
                         be = by_pps[method]
                     sdt = "bfloat16" if "-bf16" in method else "float32"
+                    single = "-single" in method          # beta1 = beta2 = 0: one state tensor
                     cfg = EchoConfig(bits=bits, eta=0.75 if comp else 0.0,
                                      residual="local" if "-loc" in method else "output",
-                                     state_dtype=sdt)
-                    state = CompState.zeros(n, "cuda", getattr(torch, sdt)) if comp else None
+                                     state_dtype=sdt, **(dict(beta1=0.0, beta2=0.0) if single
+                                                         else {}))
+                    state = CompState.zeros(n, "cuda", getattr(torch, sdt), compact=single) \
+                        if comp else None
                     fn = lambda: be.run(x, cfg, state=state, backward=False,  # noqa: E731
                                         record=False)
                 fn()
@@ -264,7 +267,8 @@ def bench_worker(rank: int, world: int, sizes=SIZES, methods=METHODS, iters: int
                     row = {"bytes": nbytes, "method": method, "ms": _time(fn, iters, warmup)}
                     if method in autos:
                         row["backend"] = autos[method].dispatcher.last_backend
-                    if stages and method in STAGE_METHODS and nbytes >= STAGE_MIN_BYTES:
+                    if stages and staged is not None and method in STAGE_METHODS \
+                            and nbytes >= STAGE_MIN_BYTES:
                         row["stages_ms"] = stage_times(staged, x, cfg, state,
                                                        iters=max(5, iters // 2))
                 except Exception:  # noqa: BLE001

@@ -203,3 +203,34 @@ def test_bf16_state_rounds_once_per_update():
     assert comm.state().m1.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="state_dtype"):
         EchoConfig(state_dtype="float16")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("sdtype", [torch.float32, torch.bfloat16])
+def test_compact_state_is_bit_identical_when_betas_match(mode, sdtype):
+    """beta1 == beta2: the communicator keeps one tensor (m2 is m1); y and the state equal those
+    of two separate tensors bit for bit, site after site."""
+    P, n = 4, 700
+    cfg = EchoConfig(bits=4, residual=mode, beta1=0.5, beta2=0.5,
+                     state_dtype="bfloat16" if sdtype == torch.bfloat16 else "float32")
+    full = CompState.zeros((P, n), "cpu", sdtype)
+    compact = CompState.zeros((P, n), "cpu", sdtype, compact=True)
+    assert compact.compact and not full.compact
+    t = SimTransport(P)
+    for site in range(5):
+        x = partials(P, n, seed=40 + site)
+        y_full, _ = compensated_all_reduce(x, cfg, t, state=full)
+        y_comp, _ = compensated_all_reduce(x, cfg, t, state=compact)
+        assert torch.equal(y_full, y_comp), site
+        assert torch.equal(full.m1, full.m2) and torch.equal(compact.m1, full.m1), site
+    comm = SimulatedCommunicator(P, cfg)
+    comm.new_pass()
+    comm.all_reduce(partials(P, n, seed=1))
+    assert comm.state().compact
+    comm2 = SimulatedCommunicator(P, EchoConfig(bits=4))          # paper betas: two tensors
+    comm2.new_pass()
+    comm2.all_reduce(partials(P, n, seed=1))
+    assert not comm2.state().compact
+    with pytest.raises(ValueError, match="beta1 == beta2"):
+        compensated_all_reduce(partials(P, n, seed=2), EchoConfig(bits=4), t,
+                               state=CompState.zeros((P, n), "cpu", compact=True))

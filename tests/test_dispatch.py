@@ -10,15 +10,23 @@ from echo_tp.collective.dispatch import build_dispatcher
 
 
 def test_crossover_table(monkeypatch):
+    from echo_tp.config import EchoConfig
     monkeypatch.delenv("ECHO_P2P_MIN_BYTES", raising=False)
-    assert p2p.crossover_bytes(2, False) == 64 << 20
-    assert p2p.crossover_bytes(2, True) is None            # compensated lost at every size
-    assert p2p.crossover_bytes(4, False) == p2p.crossover_bytes(2, False)  # unmeasured P
+    sb = p2p.state_bytes
+    assert sb(EchoConfig(bits=4, eta=0.0)) == 0
+    assert sb(EchoConfig(bits=4)) == 16                  # fp32 m1 + m2, read and written
+    assert sb(EchoConfig(bits=4, state_dtype="bfloat16")) == 8
+    assert sb(EchoConfig(bits=4, beta1=0.0, beta2=0.0)) == 8             # one fp32 tensor
+    assert sb(EchoConfig(bits=4, beta1=0.0, beta2=0.0, state_dtype="bfloat16")) == 4
+    assert p2p.crossover_bytes(2, 0) == 64 << 20
+    assert p2p.crossover_bytes(2, 16) is None            # fp32 state lost at every size
+    assert p2p.crossover_bytes(4, 0) == p2p.crossover_bytes(2, 0)   # unmeasured P
+    assert p2p.crossover_bytes(2, 2) is None             # unmeasured state size: never
     monkeypatch.setenv("ECHO_P2P_MIN_BYTES", "0")
-    assert p2p.crossover_bytes(2, True) == 0
+    assert p2p.crossover_bytes(2, 16) == 0
     monkeypatch.setenv("ECHO_P2P_MIN_BYTES", "lots")
     with pytest.raises(ValueError, match="ECHO_P2P_MIN_BYTES"):
-        p2p.crossover_bytes(2, False)
+        p2p.crossover_bytes(2, 0)
 
 
 def test_oneshot_cap_table(monkeypatch):

@@ -160,21 +160,29 @@ def _fused_input(P, n, dtype, seed, scale):
     return x.to(dtype)
 
 
-@pytest.mark.parametrize("P,bits,quantizer,residual,dtype,backward", FUSED_CASES, ids=str)
-def test_fused_allreduce_matches_reference(P, bits, quantizer, residual, dtype, backward):
-    cfg = EchoConfig(bits=bits, quantizer=quantizer, residual=residual)
-    n = 1500 + 37 * P                        # pads to whole groups; several tiles per segment
+def _check_fused(P, cfg, n, dtype, backward, calls, seed, state_dtype=torch.float32,
+                 compact=False):
+    """SimulatedFused against compensated_all_reduce over SimTransport: y, m1, m2 bit for bit
+    over `calls` consecutive calls (the state feeds back; the flags' epoch advances)."""
     sim = sf.SimulatedFused(P, tile_elems=256)
-    ref_state, state = CompState.zeros((P, n), "cpu"), CompState.zeros((P, n), "cpu")
-    for call in range(2):                    # the state feeds back; the flags' epoch advances
-        x = _fused_input(P, n, dtype, seed=100 * P + 10 * bits + call,
-                         scale=1e-6 if backward else 1.0)
+    ref_state = CompState.zeros((P, n), "cpu", state_dtype, compact=compact)
+    state = CompState.zeros((P, n), "cpu", state_dtype, compact=compact)
+    for call in range(calls):
+        x = _fused_input(P, n, dtype, seed=seed + call, scale=1e-6 if backward else 1.0)
         want, _ = compensated_all_reduce(x, cfg, SimTransport(P), state=ref_state,
                                          backward=backward)
         got = sim(x, cfg, state=state, backward=backward)
         assert_bits_equal(got, want, f"y call={call}")
         assert_bits_equal(state.m1, ref_state.m1, f"m1 call={call}")
         assert_bits_equal(state.m2, ref_state.m2, f"m2 call={call}")
+    return state
+
+
+@pytest.mark.parametrize("P,bits,quantizer,residual,dtype,backward", FUSED_CASES, ids=str)
+def test_fused_allreduce_matches_reference(P, bits, quantizer, residual, dtype, backward):
+    cfg = EchoConfig(bits=bits, quantizer=quantizer, residual=residual)
+    # n pads to whole groups; several tiles per segment
+    _check_fused(P, cfg, 1500 + 37 * P, dtype, backward, calls=2, seed=100 * P + 10 * bits)
 
 
 @pytest.mark.parametrize("P,bits,residual,backward", [(2, 4, "local", False),
@@ -184,20 +192,20 @@ def test_fused_bf16_state_matches_reference(P, bits, residual, backward):
     """state_dtype='bfloat16': kernels and reference read the state exactly, compute in fp32
     and round once to bf16 on store, so y and the state still match bit for bit."""
     cfg = EchoConfig(bits=bits, residual=residual, state_dtype="bfloat16")
-    n = 1400 + 41 * P
-    sim = sf.SimulatedFused(P, tile_elems=256)
-    ref_state = CompState.zeros((P, n), "cpu", torch.bfloat16)
-    state = CompState.zeros((P, n), "cpu", torch.bfloat16)
-    for call in range(3):
-        x = _fused_input(P, n, torch.bfloat16, seed=700 + 10 * P + call,
-                         scale=1e-6 if backward else 1.0)
-        want, _ = compensated_all_reduce(x, cfg, SimTransport(P), state=ref_state,
-                                         backward=backward)
-        got = sim(x, cfg, state=state, backward=backward)
-        assert_bits_equal(got, want, f"y call={call}")
-        assert_bits_equal(state.m1, ref_state.m1, f"m1 call={call}")
-        assert_bits_equal(state.m2, ref_state.m2, f"m2 call={call}")
+    state = _check_fused(P, cfg, 1400 + 41 * P, torch.bfloat16, backward, calls=3,
+                         seed=700 + 10 * P, state_dtype=torch.bfloat16)
     assert state.m1.dtype == torch.bfloat16 and bool(state.m1.abs().sum() > 0)
+
+
+@pytest.mark.parametrize("residual,sdtype", [("local", torch.bfloat16), ("output", torch.float32)])
+def test_fused_compact_state_matches_reference(residual, sdtype):
+    """beta1 == beta2 = 0 with one state tensor (m2 is m1): the kernels read and write the same
+    addresses twice with the same values, the reference updates once; same bits."""
+    cfg = EchoConfig(bits=4, residual=residual, beta1=0.0, beta2=0.0,
+                     state_dtype="bfloat16" if sdtype == torch.bfloat16 else "float32")
+    state = _check_fused(3, cfg, 1300, torch.bfloat16, False, calls=3, seed=900,
+                         state_dtype=sdtype, compact=True)
+    assert state.compact
 
 
 @pytest.mark.parametrize("bits", [4, 8])

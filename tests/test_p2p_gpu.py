@@ -28,7 +28,8 @@ from harness import run_ranks
 
 NEEDS = "needs >= {} CUDA GPUs with peer access"
 
-# (bits, quantizer, residual, eta, dtype, backward, numel[, state dtype])
+# (bits, quantizer, residual, eta, dtype, backward, numel[, state dtype[-compact]]);
+# '-compact': beta1 = beta2 = 0 and one state tensor (m2 is m1)
 CASES = [
     (4, "zero_aware", "output", 0.75, "bfloat16", False, 1 << 20),
     (4, "zero_aware", "local", 0.75, "bfloat16", False, 3_000_017),
@@ -41,6 +42,8 @@ CASES = [
     (4, "zero_aware", "output", 0.0, "float16", False, 4096 * 5 + 3),
     (4, "zero_aware", "local", 1.0, "bfloat16", False, 2_000_003, "bfloat16"),   # bf16 state
     (4, "naive", "output", 0.75, "bfloat16", True, 1_000_000, "bfloat16"),
+    (4, "zero_aware", "local", 1.0, "bfloat16", False, 1_500_001, "bfloat16-compact"),
+    (4, "zero_aware", "output", 0.75, "float16", True, 700_001, "float32-compact"),
 ]
 
 
@@ -91,12 +94,15 @@ def exactness_worker(rank: int, world: int, cases=CASES, calls: int = 3, group=N
     out = []
     for ci, case in enumerate(cases):
         bits, quantizer, residual, eta, dtype, backward, n = case[:7]
-        sdt = case[7] if len(case) > 7 else "float32"
+        sdt, _, compact = (case[7] if len(case) > 7 else "float32").partition("-")
+        betas = dict(beta1=0.0, beta2=0.0) if compact else {}
         cfg = EchoConfig(bits=bits, quantizer=quantizer, residual=residual, eta=eta,
-                         state_dtype=sdt)
+                         state_dtype=sdt, **betas)
         comp = cfg.compensated
-        st_p = CompState.zeros(n, "cuda", getattr(torch, sdt)) if comp else None
-        st_r = CompState.zeros(n, "cuda", getattr(torch, sdt)) if comp else None
+        st_p = CompState.zeros(n, "cuda", getattr(torch, sdt), compact=bool(compact)) \
+            if comp else None
+        st_r = CompState.zeros(n, "cuda", getattr(torch, sdt), compact=bool(compact)) \
+            if comp else None
         row = {"case": case, "y": 0, "m1": 0, "m2": 0}
         for call in range(calls):
             x = _input(n, dtype, rank, seed=1000 * ci + call, backward=backward)

@@ -110,7 +110,8 @@ class EchoCommunicator:
         state = None
         if cfg.compensated:
             sdtype = getattr(torch, cfg.state_dtype)
-            state = ps.get(flat.shape[-1], tuple(flat.shape[:-1]), flat.device, sdtype)
+            state = ps.get(flat.shape[-1], tuple(flat.shape[:-1]), flat.device, sdtype,
+                           compact=cfg.beta1 == cfg.beta2)   # one tensor when m1 == m2
         record = self.telemetry is not None and cfg.quantized
         inplace = inplace and x.is_contiguous() and (flat is x or flat.data_ptr() == x.data_ptr())
         y, rec = self.dispatcher.run(flat, cfg, state=state, backward=direction == "backward",

@@ -31,15 +31,22 @@ from .config import CompensatorConstants, EchoConfig
 
 @dataclass
 class CompState:
-    """m1, m2: fp32 [*batch, n]; batch is () on a real rank and (P,) in simulation."""
+    """m1, m2: [*batch, n] (fp32 by default); batch is () on a real rank and (P,) in
+    simulation. Compact: m2 IS m1 (one tensor), valid when beta1 == beta2, where the two
+    averages receive identical updates from identical (zero) starts and so never differ; it
+    halves the state's memory and the fused kernels' state traffic, with the same bits."""
 
     m1: torch.Tensor
     m2: torch.Tensor
 
     @classmethod
-    def zeros(cls, shape, device, dtype=torch.float32) -> "CompState":
-        return cls(torch.zeros(shape, device=device, dtype=dtype),
-                   torch.zeros(shape, device=device, dtype=dtype))
+    def zeros(cls, shape, device, dtype=torch.float32, compact: bool = False) -> "CompState":
+        m1 = torch.zeros(shape, device=device, dtype=dtype)
+        return cls(m1, m1 if compact else torch.zeros(shape, device=device, dtype=dtype))
+
+    @property
+    def compact(self) -> bool:
+        return self.m2 is self.m1
 
 
 def _compute(t: torch.Tensor) -> torch.Tensor:
@@ -57,6 +64,11 @@ def update_(state: CompState, u: torch.Tensor, k: CompensatorConstants) -> None:
     state's arithmetic dtype, then stored: one rounding to bf16 for a bf16 state)."""
     m1, m2 = _compute(state.m1), _compute(state.m2)
     u = u.to(m1.dtype)
+    if state.compact:                       # one tensor: both updates are this one
+        if k.beta1 != k.beta2:
+            raise ValueError("a compact compensator state needs beta1 == beta2")
+        state.m1.copy_(m1 * k.beta1 + u * k.one_minus_beta1)
+        return
     state.m1.copy_(m1 * k.beta1 + u * k.one_minus_beta1)
     state.m2.copy_(m2 * k.beta2 + u * k.one_minus_beta2)
 
@@ -74,10 +86,11 @@ class PassState:
     streams: dict[int, CompState] = field(default_factory=dict)
     sites: int = 0
 
-    def get(self, n: int, batch: tuple, device, dtype) -> CompState:
+    def get(self, n: int, batch: tuple, device, dtype, compact: bool = False) -> CompState:
         st = self.streams.get(n)
-        if st is None or st.m1.device != device or tuple(st.m1.shape) != (*batch, n):
-            st = CompState.zeros((*batch, n), device=device, dtype=dtype)
+        if st is None or st.m1.device != device or tuple(st.m1.shape) != (*batch, n) \
+                or st.m1.dtype != dtype or st.compact != compact:
+            st = CompState.zeros((*batch, n), device=device, dtype=dtype, compact=compact)
             self.streams[n] = st
         return st
 

@@ -40,19 +40,43 @@ from .reference import DistTransport
 
 log = logging.getLogger(__name__)
 
-CROSSOVER: dict[tuple[int, bool], int | None] = {
-    # (P, compensated) -> smallest message (bytes per rank) from which an eager p2p call beats
-    # NCCL's bf16 all-reduce by >= 5% at every larger measured size; None: never measured faster.
+CROSSOVER: dict[tuple[int, int], int | None] = {
+    # (P, state bytes read + written per value) -> smallest message (bytes per rank) from which
+    # an eager p2p call beats NCCL's bf16 all-reduce by >= 5% at every larger measured size;
+    # None: never measured faster. State bytes (`state_bytes`): 0 uncompensated; 16 fp32 m1 +
+    # m2; 8 bf16 m1 + m2 or one fp32 tensor (beta1 == beta2); 4 one bf16 tensor.
     # 2026-11-29, 2 H200s, NVLink (docs/results/2026-11-29-p2p-x2-r2.md): uncompensated
     # 4-bit 1.49-1.65x at 64 MiB, 1.82-1.89x from 128 MiB (16 MiB: 1.12x, but the one-shot
-    # 16-bit kernel is as fast there and exact); compensated 0.75-0.90x at 16 MiB-1 GiB (state
-    # traffic), so never.
-    (2, False): 64 << 20,
-    (2, True): None,
+    # 16-bit kernel is as fast there and exact); compensated with 16 or 8 state bytes 0.75-0.90x
+    # at 16 MiB-1 GiB (state traffic), so never.
+    (2, 0): 64 << 20,
+    (2, 16): None,
+    (2, 8): None,
+    (2, 4): None,
 }
 """Unmeasured P use P=2's entries (NCCL's own cost grows with P, so this errs on NCCL's side).
 Inside CUDA graph capture the launch cost is gone: uncompensated calls take p2p at every size
 (graph replay 2.4-3.6x NCCL's eager call up to 4 MiB). ECHO_P2P_MIN_BYTES overrides the table."""
+
+
+def state_bytes(cfg: EchoConfig) -> int:
+    """Compensator state bytes a call reads and writes per value: 0 when uncompensated, else
+    2 (read + write) x (1 tensor if beta1 == beta2 else 2) x (2 bf16, 4 fp32, 8 fp64)."""
+    if not cfg.compensated:
+        return 0
+    size = {"bfloat16": 2, "float32": 4, "float64": 8}[cfg.state_dtype]
+    return 2 * size * (1 if cfg.beta1 == cfg.beta2 else 2)
+
+
+def crossover_bytes(world_size: int, state: int) -> int | None:
+    """The message size from which 'auto' takes the p2p path outside graph capture (None:
+    never) for calls with `state` compensator bytes per value (`state_bytes`);
+    ECHO_P2P_MIN_BYTES overrides the table."""
+    forced = envs.p2p_min_bytes()
+    if forced is not None:
+        return forced
+    key = (world_size, state) if (world_size, state) in CROSSOVER else (2, state)
+    return CROSSOVER.get(key)
 
 
 FUSED_MAX_BYTES: dict[int, int] = {
@@ -64,15 +88,6 @@ FUSED_MAX_BYTES: dict[int, int] = {
     2: 32 << 20,
 }
 """Unmeasured P use P=2's entry."""
-
-
-def crossover_bytes(world_size: int, compensated: bool) -> int | None:
-    """The message size from which 'auto' takes the p2p path outside graph capture (None:
-    never); ECHO_P2P_MIN_BYTES overrides the table."""
-    forced = envs.p2p_min_bytes()
-    if forced is not None:
-        return forced
-    return CROSSOVER.get((world_size, compensated), CROSSOVER[(2, compensated)])
 
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -190,8 +205,7 @@ class P2PBackend:
         self.transport = DistTransport(group)        # grad-scale MAX; record=True calls
         self.min_bytes = min_bytes
         """Fixed gate for every call (benchmarks, backend='p2p': 0); None: crossover_bytes."""
-        self._gate = {c: min_bytes if min_bytes is not None else
-                      crossover_bytes(self.world_size, c) for c in (False, True)}
+        self._gate: dict[int, int | None] = {}      # state bytes -> gate (crossover_bytes)
         self.tile_elems = tile_elems or ak.TILE_ELEMS
         self.num_warps = num_warps
         """Warps per program; None: 8 for the fused kernel, 4 for the stage kernels (2 H200s,
@@ -242,7 +256,11 @@ class P2PBackend:
     def should_use(self, x: torch.Tensor, cfg: EchoConfig) -> bool:
         if not self.supports(x, cfg):
             return False
-        gate = self._gate[cfg.compensated]
+        sb = state_bytes(cfg)
+        gate = self._gate.get(sb, -1)
+        if gate == -1:
+            gate = self._gate[sb] = self.min_bytes if self.min_bytes is not None else \
+                crossover_bytes(self.world_size, sb)
         if gate is None or x.numel() * x.element_size() < gate:
             # inside CUDA graph capture the launch cost is gone: uncompensated p2p wins at any size
             return self.min_bytes is None and not cfg.compensated and \

@@ -345,8 +345,9 @@ def fused_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, epochs_ptr, table_ptr,
                  LEVELS: tl.constexpr, QMAX: tl.constexpr, PF: tl.constexpr,
                  COMP: tl.constexpr, SCALED: tl.constexpr, LOCAL: tl.constexpr,
                  OUTPUT: tl.constexpr, USE_TIMER: tl.constexpr):
-    """The whole call in one launch. grid (G,), G <= tiles and G <= the SM count (on every
-    rank the same G, so program c of each rank handles the same tiles t = c, c+G, ...).
+    """The whole call in one launch. grid (G,), G = min(tiles, programs) with `programs` the
+    same on every rank (p2p: 4 x the group's smallest SM count), so program c of each rank
+    handles the same tiles t = c, c+G, ....
     Program c: entry of its tiles, then their reduce, then their tail, i.e.
 
         for t in tiles(c): for i < P-1: _entry_tile(t, RANK+1+i)
@@ -354,7 +355,9 @@ def fused_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, epochs_ptr, table_ptr,
         for t in tiles(c): for i < P: _tail_tile(t, RANK+i)
 
     Program c waits only on program c of the other ranks, which do the same tiles in the same
-    order; by the time it reduces its first tile, its peers pushed their whole share, so the
+    order, and the GPUs start programs in index order, so a waiting program's partner is
+    running or done (no deadlock when not all G are resident); by the time it reduces its
+    first tile, its peers pushed their whole share, so the
     flag latency is paid about once per stage, not per tile. Programs in different stages
     overlap. Epochs are per program (epochs_ptr[c], bumped here: no host launch per call;
     graph replays advance them too); a flag of tile t is only ever set by and waited for
