@@ -148,7 +148,9 @@ FUSED_CASES = [(4, b, q, r, torch.bfloat16 if (b + i) % 2 else torch.float16, i 
 FUSED_CASES += [(2, 4, "zero_aware", "output", torch.bfloat16, True),
                 (2, 8, "symmetric", "local", torch.float32, False),
                 (3, 4, "zero_aware", "local", torch.bfloat16, True),
-                (3, 4, "naive", "output", torch.float16, False)]
+                (3, 4, "naive", "output", torch.float16, False),
+                (8, 4, "zero_aware", "local", torch.bfloat16, False),      # issue #7: P=8
+                (8, 8, "symmetric", "output", torch.float16, True)]
 
 
 def _fused_input(P, n, dtype, seed, scale):

@@ -44,7 +44,7 @@ def _rank(rank, P, bufs, errs, xs, ys, lay, programs):
                    timeout=400_000, use_timer=False)
 
 
-@pytest.mark.parametrize("P,programs", [(2, 2), (3, 4)])
+@pytest.mark.parametrize("P,programs", [(2, 2), (3, 4), (8, 3)])
 def test_oneshot_concurrent_ranks_match_reference(P, programs):
     import torch.multiprocessing as mp
     lay = ok.OneShotLayout.build(P, CAP)

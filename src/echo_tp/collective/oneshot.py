@@ -17,7 +17,7 @@ import torch.distributed as dist
 from .. import envs
 from ..compensator import CompState
 from ..config import EchoConfig
-from .p2p import DTYPES, SymmetricBuffer, agreed_sm_count
+from .p2p import DTYPES, SymmetricBuffer, agreed_sm_count, select_symm_backend
 from .qar import StepRecord
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,7 @@ class OneShotBackend:
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.device = torch.device("cuda", torch.cuda.current_device())
+        self.symm_backend = select_symm_backend(self.device)
         self.cap_bytes = max_bytes(self.world_size) if cap_bytes is None else cap_bytes
         self.num_warps = num_warps
         self.programs = programs_per_sm * agreed_sm_count(group, self.device) \

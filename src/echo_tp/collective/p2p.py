@@ -177,6 +177,21 @@ class _Workspace(SymmetricBuffer):
         self.epochs = torch.zeros(max(1, programs), dtype=torch.int64, device=device)
 
 
+def select_symm_backend(device) -> str | None:
+    """Prefer torch's own CUDA symmetric-memory backend (plain cudaMalloc/VMM + IPC, no NVSHMEM
+    bootstrap) when nothing chose one yet; leave an earlier choice alone. -> the backend."""
+    from torch.distributed import _symmetric_memory as symm
+    try:
+        if symm.get_backend(device) is None:
+            symm.set_backend("CUDA")
+    except Exception as e:  # noqa: BLE001 - older torch, or a backend already in use
+        log.debug("echo-tp: symmetric memory backend left as is: %s", e)
+    try:
+        return symm.get_backend(device)
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def agreed_sm_count(group, device) -> int:
     """The smallest SM count over the group (one MIN all-reduce, at set-up)."""
     sms = torch.tensor([torch.cuda.get_device_properties(device).multi_processor_count],
@@ -230,21 +245,7 @@ class P2PBackend:
         self._timeouts: dict[bool, int] = {}
         self.stage_events: list | None = None
         """Benchmarks only: four torch.cuda.Event recorded around entry, reduce and tail."""
-        self._select_symm_backend()
-
-    def _select_symm_backend(self) -> None:
-        """Prefer torch's own CUDA backend (plain cudaMalloc/VMM + IPC, no NVSHMEM bootstrap)
-        when nothing chose a backend yet; leave an earlier choice alone."""
-        from torch.distributed import _symmetric_memory as symm
-        try:
-            if symm.get_backend(self.device) is None:
-                symm.set_backend("CUDA")
-        except Exception as e:  # noqa: BLE001 - older torch, or a backend already in use
-            log.debug("echo-tp: symmetric memory backend left as is: %s", e)
-        try:
-            self.symm_backend = symm.get_backend(self.device)
-        except Exception:  # noqa: BLE001
-            self.symm_backend = None
+        self.symm_backend = select_symm_backend(self.device)
 
     # ----- dispatcher interface -----
     def supports(self, x: torch.Tensor, cfg: EchoConfig) -> bool:
