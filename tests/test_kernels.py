@@ -163,10 +163,10 @@ def _fused_input(P, n, dtype, seed, scale):
 
 
 def _check_fused(P, cfg, n, dtype, backward, calls, seed, state_dtype=torch.float32,
-                 compact=False):
+                 compact=False, tile=256):
     """SimulatedFused against compensated_all_reduce over SimTransport: y, m1, m2 bit for bit
     over `calls` consecutive calls (the state feeds back; the flags' epoch advances)."""
-    sim = sf.SimulatedFused(P, tile_elems=256)
+    sim = sf.SimulatedFused(P, tile_elems=tile)
     ref_state = CompState.zeros((P, n), "cpu", state_dtype, compact=compact)
     state = CompState.zeros((P, n), "cpu", state_dtype, compact=compact)
     for call in range(calls):
@@ -208,6 +208,10 @@ def test_fused_compact_state_matches_reference(residual, sdtype):
     state = _check_fused(3, cfg, 1300, torch.bfloat16, False, calls=3, seed=900,
                          state_dtype=sdtype, compact=True)
     assert state.compact
+    # the p2p default for compensated calls on the stage kernels: 1024-value tiles, several
+    # tiles per segment
+    _check_fused(2, cfg, 5000, torch.bfloat16, False, calls=2, seed=950, state_dtype=sdtype,
+                 compact=True, tile=1024)
 
 
 @pytest.mark.parametrize("bits", [4, 8])

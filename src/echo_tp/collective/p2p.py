@@ -89,6 +89,12 @@ FUSED_MAX_BYTES: dict[int, int] = {
 }
 """Unmeasured P use P=2's entry."""
 
+STAGED_COMPENSATED_TILE = 1024
+"""Tile of compensated calls on the stage kernels. 2026-11-29, 2 H200s, 4-bit, bf16 state with
+beta1 == beta2: 1024 values 1.00-1.04x NCCL at 64-512 MiB and 0.97x at 1 GiB, 2048 values
+0.87-0.94x (docs/results/2026-11-29-p2p-x2-r2.md, row 12); uncompensated calls keep 2048
+(1.46-1.55x at 1024 vs 1.81-1.88x)."""
+
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -221,7 +227,10 @@ class P2PBackend:
         self.min_bytes = min_bytes
         """Fixed gate for every call (benchmarks, backend='p2p': 0); None: crossover_bytes."""
         self._gate: dict[int, int | None] = {}      # state bytes -> gate (crossover_bytes)
-        self.tile_elems = tile_elems or ak.TILE_ELEMS
+        self.tile_elems = tile_elems
+        """Values per tile; None: ak.TILE_ELEMS (2048), except compensated calls on the stage
+        kernels, which take STAGED_COMPENSATED_TILE (1024: 8 values per thread at 4 warps,
+        ~64 registers instead of ~127, twice the resident warps)."""
         self.num_warps = num_warps
         """Warps per program; None: 8 for the fused kernel, 4 for the stage kernels (2 H200s,
         1 GiB, 4-bit: stage kernels 1.78 ms at 4 warps vs 2.18 ms at 8)."""
@@ -327,13 +336,16 @@ class P2PBackend:
         """The workspace of a call's layout and kernel form (the fused kernel's per-program
         epochs and the stage kernels' single epoch never share flags)."""
         spec = cfg.quant_spec()
-        call_key = (x.numel(), x.dtype, spec, fused)
+        tile = self.tile_elems or (STAGED_COMPENSATED_TILE if cfg.compensated and not fused
+                                   else self._ak.TILE_ELEMS)
+        tile = max(tile, spec.group_size)
+        call_key = (x.numel(), x.dtype, spec, fused, tile)
         ws = self._ws_by_call.get(call_key)
         if ws is not None:
             return ws
-        lay = self._ak.Layout.build(x.numel(), self.world_size, spec, self.tile_elems)
+        lay = self._ak.Layout.build(x.numel(), self.world_size, spec, tile)
         key = (x.dtype, spec.bits, spec.quantizer, spec.group_size, self.world_size, lay.seg,
-               fused)
+               fused, tile)
         ws = self._ws.get(key)
         if ws is None:
             ws = self._ws[key] = _Workspace(lay, self.group, self.rank, self.device, self._err,
