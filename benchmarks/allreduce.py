@@ -7,7 +7,8 @@ each bracketed by CUDA events; the median per rank, the max over ranks reported.
 nccl16 (dist.all_reduce, in place), oneshot16 (the 16-bit one-shot kernel, in place, small
 sizes), ref4/ref8 (reference backend, uncompensated), p2p8/p2p4 (uncompensated, one fused
 kernel per call), p2p4-staged (the same as three stage kernels), p2p4c-out / p2p4c-loc (4-bit
-compensated, residual output / local; -staged: three kernels; -bf16: bf16 compensator
+compensated, residual output / local; -staged: three kernels; p2p4c-out-unfused: the
+compensator as separate torch ops around the uncompensated p2p call, on fp32 x'; -bf16: bf16 compensator
 state; -single: beta1 = beta2 = 0, one state tensor), p2p4-graph (p2p4 replayed from a
 CUDA graph, small sizes), auto4 / auto4c (EchoCommunicator with backend='auto', 4-bit
 uncompensated / compensated (local), in place like nccl16: what a TP layer gets, the dispatch
@@ -33,7 +34,8 @@ MB = 1 << 20
 SIZES = [64 << 10, 256 << 10, MB, 4 * MB, 16 * MB, 64 * MB, 128 * MB, 256 * MB, 512 * MB,
          1024 * MB]
 METHODS = ("nccl16", "oneshot16", "ref4", "p2p8", "p2p4", "p2p4-staged", "p2p4c-out",
-           "p2p4c-loc", "p2p4c-loc-staged", "p2p4-graph", "auto4", "auto4c")
+           "p2p4c-out-unfused", "p2p4c-loc", "p2p4c-loc-staged", "p2p4-graph", "auto4",
+           "auto4c")
 ONESHOT_MAX_BYTES = 64 * MB
 """oneshot16 (the 16-bit one-shot kernel) is timed up to this size."""
 GRAPH_MAX_BYTES = 64 * MB
@@ -228,6 +230,14 @@ def bench_worker(rank: int, world: int, sizes=SIZES, methods=METHODS, iters: int
                     comm.new_pass()
                     buf = x.clone()
                     fn = lambda: comm.all_reduce(buf, inplace=True)   # noqa: E731
+                elif method == "p2p4c-out-unfused":     # compensator as separate torch ops
+                    from echo_tp.collective.unfused import unfused_output_compensated
+                    cfg = EchoConfig(bits=4, eta=0.75, residual="output")
+                    plain = cfg.replace(eta=0.0)
+                    state = CompState.zeros(n, "cuda")
+                    fn = lambda: unfused_output_compensated(  # noqa: E731
+                        lambda xp: p2p.run(xp, plain, state=None, backward=False,
+                                           record=False)[0], x, cfg, state, world)
                 elif method.startswith("ref"):
                     cfg = EchoConfig(bits=int(method[3:]), eta=0.0)
                     fn = lambda: ref.run(x, cfg, state=None, backward=False, record=False)  # noqa
