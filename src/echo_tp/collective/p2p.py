@@ -22,7 +22,7 @@ Bit-identical to the reference backend (collective/qar.py over DistTransport) fo
 inputs, state and config; calls with record=True run the reference itself. Waits are bounded by
 ECHO_FLAG_TIMEOUT_S: a timed-out kernel writes (rank, stage, tile, peer) to pinned host memory
 and the next call raises RuntimeError (`check_error()` syncs and raises at once).
-Workspaces are cached per (dtype, bits, policy, P, segment length, kernel form).
+Workspaces are cached per (dtype, bits, policy, P, segment length, kernel form, tile).
 """
 from __future__ import annotations
 
