@@ -278,7 +278,8 @@ def _concurrent_rank(rank, P, bufs, errs, xs, ys, m1s, m2s, cfg, programs):
 
 
 @pytest.mark.parametrize("P,residual,programs", [(2, "local", 0), (3, "output", 0),
-                                                 (2, "output", 2), (3, "local", 1)])
+                                                 (2, "output", 2), (3, "local", 1),
+                                                 (4, "output", 2)])
 def test_fused_ranks_in_concurrent_processes(P, residual, programs):
     """The flag protocol with real concurrency: P processes share their buffers (as symmetric
     memory would), each runs 3 calls back to back; every wait must see its peer's data and no
