@@ -242,10 +242,11 @@ class P2PBackend:
         self.programs = programs_per_sm * agreed_sm_count(group, self.device) \
             if self.fused is not False else 0
         """Programs of the fused kernel: `programs_per_sm` x the smallest SM count of the
-        group, the same on every rank. The sm_90 build takes <= 128 registers per thread at 8
-        warps, so two programs are resident per SM; the others start as those finish (each
-        program waits only on the same program of the peers, which the GPUs start in the same
-        order). 4 per SM measured 1.7x faster than 2 at 1 GiB, and no slower at 64 KiB."""
+        group, the same on every rank. The sm_90 build takes 48 (uncompensated) to ~114
+        (compensated) registers per thread at 8 warps, so 5 to 2 programs are resident per SM;
+        the others start as those finish (each program waits only on the same program of the
+        peers, which the GPUs start in the same order). 4 per SM measured 1.7x faster than 2 at
+        1 GiB, and no slower at 64 KiB."""
         self.use_timer = True                         # %globaltimer; poll count if it fails
         self._err = flags.new_error_buffer(True)
         self._err_np = self._err.numpy()
