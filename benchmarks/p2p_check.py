@@ -84,17 +84,18 @@ def phase_compile(args) -> dict:
                  oma="fp32", b1="fp32", omb1="fp32", b2="fp32", omb2="fp32")
     div16 = {"seg", "slot", "scale_off", "zero_off", "flags_off", "n"}
     out = []
-    for bits, local in ((4, False), (4, True), (8, False)):
+    for bits, local, comp in ((4, False, True), (4, True, True), (8, False, True),
+                              (4, False, False)):
         ce = qk.spec_constexprs(QuantSpec(bits=bits))
         common = dict(RANK=1, P=4, X_KIND=2, BG=2048 // 128, GS=128, BITS=bits,
-                      QUANT=ce["QUANT"], QMAX=ce["QMAX"], COMP=True, SCALED=False)
-        quant = dict(LEVELS=ce["LEVELS"], LOCAL=local)
+                      QUANT=ce["QUANT"], QMAX=ce["QMAX"], COMP=comp, SCALED=False)
+        quant = dict(LEVELS=ce["LEVELS"], LOCAL=local and comp)
         for fn, consts in ((ak.entry_kernel, dict(common, **quant)),
                            (ak.reduce_kernel, dict(common, **quant, USE_TIMER=True)),
-                           (ak.tail_kernel, dict(common, PF=4.0, OUTPUT=not local,
+                           (ak.tail_kernel, dict(common, PF=4.0, OUTPUT=comp and not local,
                                                  USE_TIMER=True)),
-                           (ak.fused_kernel, dict(common, **quant, PF=4.0, OUTPUT=not local,
-                                                  USE_TIMER=True))):
+                           (ak.fused_kernel, dict(common, **quant, PF=4.0,
+                                                  OUTPUT=comp and not local, USE_TIMER=True))):
             sig = {a: "constexpr" if a in consts else types.get(a, "i32") for a in fn.arg_names}
             attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
                      if a not in consts and (sig[a].startswith("*") or a in div16)}
@@ -106,7 +107,7 @@ def phase_compile(args) -> dict:
                 f.flush()
                 res = sp.run([cuobjdump, "-res-usage", f.name], capture_output=True,
                              text=True).stdout
-            out.append({"kernel": fn.__name__, "bits": bits, "local": local,
+            out.append({"kernel": fn.__name__, "bits": bits, "local": local, "comp": comp,
                         "regs": re.findall(r"REG:(\d+)", res), "stack": re.findall(r"STACK:(\d+)", res),
                         "fma": len(re.findall(r"fma[.]rn", k.asm["ptx"]))})
     return {"builds": out}
