@@ -174,7 +174,7 @@ def bench_worker(rank: int, world: int, sizes=SIZES, methods=METHODS, iters: int
     one = OneShotBackend(None, cap_bytes=min(max(sizes), ONESHOT_MAX_BYTES)) \
         if "oneshot16" in methods else None
     ref = TransportBackend(DistTransport(None))
-    by_pps: dict = {}
+    variants: dict = {}
     autos = {"auto4": EchoCommunicator.from_group(None, EchoConfig(bits=4, eta=0.0)),
              "auto4c": EchoCommunicator.from_group(None, EchoConfig(bits=4, residual="local"))}
     rows = []
@@ -218,11 +218,11 @@ def bench_worker(rank: int, world: int, sizes=SIZES, methods=METHODS, iters: int
                     buf = x.clone()
                     be = one
                     if "@" in method:         # variant: oneshot16@pps{K}w{W}
-                        if method not in by_pps:
+                        if method not in variants:
                             pps, warps = (int(v) for v in method.split("@pps")[1].split("w"))
-                            by_pps[method] = OneShotBackend(None, cap_bytes=one.cap_bytes,
+                            variants[method] = OneShotBackend(None, cap_bytes=one.cap_bytes,
                                                             num_warps=warps, programs_per_sm=pps)
-                        be = by_pps[method]
+                        be = variants[method]
                     fn = lambda: be.run(buf, None, state=None, backward=False,  # noqa: E731
                                         record=False, inplace=True)
                 elif method in autos:
@@ -246,8 +246,10 @@ def bench_worker(rank: int, world: int, sizes=SIZES, methods=METHODS, iters: int
                     comp = method.startswith("p2p4c")
                     base, _, variant = method.partition("@")
                     be = staged if base.endswith("-staged") else p2p
-                    if variant:     # launch shape: ppsK (fused, K programs/SM), wK (warps),
-                        if method not in by_pps:          # tK (values per tile), e.g. @w4t4096
+                    # launch shape: @ppsK (fused, K programs/SM), wK (warps), tK (values per
+                    # tile), e.g. @w4t4096
+                    if variant:
+                        if method not in variants:
                             import re
                             kw = dict(p2p_kwargs,
                                       fused=False if base.endswith("-staged") else None)
@@ -256,8 +258,8 @@ def bench_worker(rank: int, world: int, sizes=SIZES, methods=METHODS, iters: int
                                     kw.update(programs_per_sm=int(v), fused=True)
                                 else:
                                     kw["num_warps" if k == "w" else "tile_elems"] = int(v)
-                            by_pps[method] = P2PBackend(None, min_bytes=0, **kw)
-                        be = by_pps[method]
+                            variants[method] = P2PBackend(None, min_bytes=0, **kw)
+                        be = variants[method]
                     sdt = "bfloat16" if "-bf16" in method else "float32"
                     single = "-single" in method          # beta1 = beta2 = 0: one state tensor
                     cfg = EchoConfig(bits=bits, eta=0.75 if comp else 0.0,
@@ -292,7 +294,7 @@ def bench_worker(rank: int, world: int, sizes=SIZES, methods=METHODS, iters: int
                 print(f"[bench P{world} rank{rank}] {row}", flush=True)
             del state
         torch.cuda.empty_cache()
-    for be in (p2p, staged, one, *by_pps.values()):
+    for be in (p2p, staged, one, *variants.values()):
         if be is None:
             continue
         try:

@@ -64,13 +64,11 @@ def update_(state: CompState, u: torch.Tensor, k: CompensatorConstants) -> None:
     state's arithmetic dtype, then stored: one rounding to bf16 for a bf16 state)."""
     m1, m2 = _compute(state.m1), _compute(state.m2)
     u = u.to(m1.dtype)
-    if state.compact:                       # one tensor: both updates are this one
-        if k.beta1 != k.beta2:
-            raise ValueError("a compact compensator state needs beta1 == beta2")
-        state.m1.copy_(m1 * k.beta1 + u * k.one_minus_beta1)
-        return
+    if state.compact and k.beta1 != k.beta2:
+        raise ValueError("a compact compensator state needs beta1 == beta2")
     state.m1.copy_(m1 * k.beta1 + u * k.one_minus_beta1)
-    state.m2.copy_(m2 * k.beta2 + u * k.one_minus_beta2)
+    if not state.compact:                   # one tensor: the m2 update is the m1 update
+        state.m2.copy_(m2 * k.beta2 + u * k.one_minus_beta2)
 
 
 def output_residual(x_prime: torch.Tensor, y: torch.Tensor, world_size: int) -> torch.Tensor:

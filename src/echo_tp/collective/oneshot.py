@@ -73,8 +73,7 @@ class OneShotBackend:
 
     def run(self, x: torch.Tensor, cfg: EchoConfig, *, state: CompState | None, backward: bool,
             record: bool, inplace: bool = False) -> tuple[torch.Tensor, StepRecord | None]:
-        if self._err_np[0] != 0:
-            raise RuntimeError(self._flags.describe_error(self._err))
+        self._flags.raise_if_set(self._err, self._err_np)
         if self._buf is None:
             lay = self._lay
             self._buf = SymmetricBuffer(lay.nbytes, lay.flags_off, self.group, self.rank,
@@ -88,8 +87,7 @@ class OneShotBackend:
 
     def check_error(self) -> None:
         torch.cuda.synchronize(self.device)
-        if self._err_np[0] != 0:
-            raise RuntimeError(self._flags.describe_error(self._err))
+        self._flags.raise_if_set(self._err, self._err_np)
 
     def close(self) -> None:
         self._buf = None

@@ -280,7 +280,7 @@ class P2PBackend:
 
     def run(self, x: torch.Tensor, cfg: EchoConfig, *, state: CompState | None, backward: bool,
             record: bool, inplace: bool = False) -> tuple[torch.Tensor, StepRecord | None]:
-        self._raise_if_error()
+        self._flags.raise_if_set(self._err, self._err_np)
         if record:   # telemetry needs the unfused intermediates: same numbers, reference path
             return compensated_all_reduce(x, cfg, self.transport, state=state,
                                           backward=backward, record=True)
@@ -294,18 +294,15 @@ class P2PBackend:
         if backward and cfg.grad_scaling:
             fs = grad_scale(self._ak.local_amax(x, state, cfg), self.transport)   # [1]
         y = torch.empty_like(x)
+        if not fused:
+            ws.epoch.add_(1)
+        plan = self._ak.CallPlan(rank=self.rank, lay=ws.lay, cfg=cfg, x=x, state=state, fs=fs,
+                                 epoch=ws.epochs if fused else ws.epoch, table=ws.table,
+                                 timeout=self._timeout_units(), use_timer=self.use_timer,
+                                 num_warps=self.num_warps or (8 if fused else 4))
         if fused:
-            plan = self._ak.CallPlan(rank=self.rank, lay=ws.lay, cfg=cfg, x=x, state=state,
-                                     fs=fs, epoch=ws.epochs, table=ws.table,
-                                     timeout=self._timeout_units(), use_timer=self.use_timer,
-                                     num_warps=self.num_warps or 8)
             self._with_timer_fallback(plan, lambda: plan.fused(y, ws.programs))
             return y, None
-        ws.epoch.add_(1)
-        plan = self._ak.CallPlan(rank=self.rank, lay=ws.lay, cfg=cfg, x=x, state=state, fs=fs,
-                                 epoch=ws.epoch, table=ws.table,
-                                 timeout=self._timeout_units(),
-                                 use_timer=self.use_timer, num_warps=self.num_warps or 4)
         ev = self.stage_events
         if ev:
             ev[0].record()
@@ -366,12 +363,7 @@ class P2PBackend:
             plan.timeout = self._flags.timeout_units(envs.flag_timeout_s(), False)
             launch()
 
-    def _raise_if_error(self) -> None:
-        if self._err_np[0] != 0:
-            msg = self._flags.describe_error(self._err)
-            raise RuntimeError(msg)
-
     def check_error(self) -> None:
         """Synchronize the device and raise if any wait of this backend timed out."""
         torch.cuda.synchronize(self.device)
-        self._raise_if_error()
+        self._flags.raise_if_set(self._err, self._err_np)

@@ -538,6 +538,7 @@ class CallPlan:
     use_timer: bool
     num_warps: int = 4
 
+    @functools.cached_property
     def _parts(self):
         st = self.state
         scal, consts, meta, per = _static_args(self.lay, self.cfg, self.rank, self.x.dtype,
@@ -552,20 +553,20 @@ class CallPlan:
     def entry(self) -> None:
         if self.lay.world_size == 1:
             return
-        ptrs, scal, consts, meta, per = self._parts()
+        ptrs, scal, consts, meta, per = self._parts
         launch(entry_kernel, (self.lay.tiles, self.lay.world_size - 1),
                (*ptrs, self._fs(), self.epoch, self.table, *scal, *consts),
                dict(**meta, **per["entry"], num_warps=self.num_warps))
 
     def reduce(self) -> None:
-        ptrs, scal, consts, meta, per = self._parts()
+        ptrs, scal, consts, meta, per = self._parts
         launch(reduce_kernel, (self.lay.tiles,),
                (*ptrs, self._fs(), self.epoch, self.table, *scal, self.timeout, *consts),
                dict(**meta, **per["reduce"], USE_TIMER=self.use_timer,
                     num_warps=self.num_warps))
 
     def tail(self, y: torch.Tensor) -> None:
-        ptrs, scal, consts, meta, per = self._parts()
+        ptrs, scal, consts, meta, per = self._parts
         launch(tail_kernel, (self.lay.tiles, self.lay.world_size),
                (*ptrs, y, self._fs(), self.epoch, self.table, *scal, self.timeout, *consts),
                dict(**meta, **per["tail"], USE_TIMER=self.use_timer, num_warps=self.num_warps))
@@ -573,7 +574,7 @@ class CallPlan:
     def fused(self, y: torch.Tensor, programs: int) -> None:
         """The whole call in one launch of `programs` programs (<= epoch.numel(); the same on
         every rank of a workspace, for its whole life)."""
-        ptrs, scal, consts, meta, per = self._parts()
+        ptrs, scal, consts, meta, per = self._parts
         grid = max(1, min(programs, self.lay.tiles))
         launch(fused_kernel, (grid,),
                (*ptrs, y, self._fs(), self.epoch, self.table, *scal, self.timeout, *consts),

@@ -93,6 +93,12 @@ def new_error_buffer(device_is_cuda: bool) -> torch.Tensor:
     return torch.zeros(ERR_WORDS, dtype=torch.int64, pin_memory=device_is_cuda)
 
 
+def raise_if_set(err: torch.Tensor, err_np) -> None:
+    """Raise the recorded timeout, if any (err_np: a numpy view of err, read without a sync)."""
+    if err_np[0] != 0:
+        raise RuntimeError(describe_error(err))
+
+
 def describe_error(err: torch.Tensor) -> str | None:
     """The host-readable error record -> a message, or None when no wait timed out."""
     if int(err[0]) == 0:
