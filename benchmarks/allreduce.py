@@ -11,7 +11,7 @@ compensated, residual output / local; -staged: three kernels; p2p4c-out-unfused:
 compensator as separate torch ops around the uncompensated p2p call, on fp32 x'; -bf16: bf16 compensator
 state; -single: beta1 = beta2 = 0, one state tensor), p2p4-graph (p2p4 replayed from a
 CUDA graph, small sizes), auto4 / auto4c (EchoCommunicator with backend='auto', 4-bit
-uncompensated / compensated (local), in place like nccl16: what a TP layer gets, the dispatch
+uncompensated / compensated (local; -bf16-single: one bf16 state tensor), in place like nccl16: what a TP layer gets, the dispatch
 picking one-shot, p2p or the plain bf16 all-reduce per size). Bus
 bandwidth uses bf16-equivalent bytes: 2 (P-1)/P * bytes / time (the nccl-tests convention).
 Writes allreduce_P{P}.json and allreduce_P{P}.md to --out.
@@ -35,7 +35,7 @@ SIZES = [64 << 10, 256 << 10, MB, 4 * MB, 16 * MB, 64 * MB, 128 * MB, 256 * MB, 
          1024 * MB]
 METHODS = ("nccl16", "oneshot16", "ref4", "p2p8", "p2p4", "p2p4-staged", "p2p4c-out",
            "p2p4c-out-unfused", "p2p4c-loc", "p2p4c-loc-staged", "p2p4-graph", "auto4",
-           "auto4c")
+           "auto4c", "auto4c-bf16-single")
 ONESHOT_MAX_BYTES = 64 * MB
 """oneshot16 (the 16-bit one-shot kernel) is timed up to this size."""
 GRAPH_MAX_BYTES = 64 * MB
@@ -176,7 +176,10 @@ def bench_worker(rank: int, world: int, sizes=SIZES, methods=METHODS, iters: int
     ref = TransportBackend(DistTransport(None))
     variants: dict = {}
     autos = {"auto4": EchoCommunicator.from_group(None, EchoConfig(bits=4, eta=0.0)),
-             "auto4c": EchoCommunicator.from_group(None, EchoConfig(bits=4, residual="local"))}
+             "auto4c": EchoCommunicator.from_group(None, EchoConfig(bits=4, residual="local")),
+             "auto4c-bf16-single": EchoCommunicator.from_group(
+                 None, EchoConfig(bits=4, residual="local", state_dtype="bfloat16",
+                                  beta1=0.5, beta2=0.5))}
     rows = []
     broken: set = set()      # methods that failed on some rank: skipped for the other sizes
 
@@ -247,17 +250,18 @@ def bench_worker(rank: int, world: int, sizes=SIZES, methods=METHODS, iters: int
                     base, _, variant = method.partition("@")
                     be = staged if base.endswith("-staged") else p2p
                     # launch shape: @ppsK (fused, K programs/SM), wK (warps), tK (values per
-                    # tile), e.g. @w4t4096
+                    # tile: one flag), sK (values per step within a tile), e.g. @w4t8192s2048
                     if variant:
                         if method not in variants:
                             import re
                             kw = dict(p2p_kwargs,
                                       fused=False if base.endswith("-staged") else None)
-                            for k, v in re.findall(r"(pps|w|t)(\d+)", variant):
+                            for k, v in re.findall(r"(pps|w|t|s)(\d+)", variant):
                                 if k == "pps":
                                     kw.update(programs_per_sm=int(v), fused=True)
                                 else:
-                                    kw["num_warps" if k == "w" else "tile_elems"] = int(v)
+                                    kw[{"w": "num_warps", "t": "tile_elems",
+                                        "s": "step_elems"}[k]] = int(v)
                             variants[method] = P2PBackend(None, min_bytes=0, **kw)
                         be = variants[method]
                     sdt = "bfloat16" if "-bf16" in method else "float32"
@@ -411,10 +415,12 @@ def plot(rows: list[dict], world: int, path: str, title: str = "") -> None:
 
 
 def main(world: int = 4, out: str = "out", iters: int = 50, max_mb: int = 1024,
-         budget_s: float = 1e9, methods: tuple = METHODS) -> list[dict]:
+         budget_s: float = 1e9, methods: tuple = METHODS, min_mb: float = 0,
+         stages: bool = False) -> list[dict]:
     os.environ.update(SAFE_ENV)
-    sizes = [s for s in SIZES if s <= max_mb * MB]
-    per_rank = spawn_nccl(world, bench_worker, sizes, methods, iters, 5, time.time() + budget_s)
+    sizes = [s for s in SIZES if min_mb * MB <= s <= max_mb * MB]
+    per_rank = spawn_nccl(world, bench_worker, sizes, methods, iters, 5, time.time() + budget_s,
+                          stages)
     rows = summarize(per_rank, world)
     os.makedirs(out, exist_ok=True)
     meta = {"world": world, "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0),
@@ -441,12 +447,16 @@ def cli() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--max-mb", type=int, default=1024)
+    ap.add_argument("--min-mb", type=float, default=0)
+    ap.add_argument("--stages", action="store_true",
+                    help="also time entry/reduce/tail of the -staged methods (stage events)")
     ap.add_argument("--budget-s", type=float, default=1e9)
     ap.add_argument("--methods", default=",".join(METHODS),
                     help="comma-separated; p2p methods take an @ppsK suffix (K programs per SM "
                          "for the fused kernel)")
     a = ap.parse_args()
-    main(a.world, a.out, a.iters, a.max_mb, a.budget_s, tuple(a.methods.split(",")))
+    main(a.world, a.out, a.iters, a.max_mb, a.budget_s, tuple(a.methods.split(",")), a.min_mb,
+         a.stages)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,8 @@ For each method: `host_us`, the CPU time per call of `calls` back-to-back calls 
 synchronizing (what bounds an eager decode step when the GPU work is shorter), and `wall_us`,
 the time per call including the wait for the GPU; then a cProfile of the communicator path and
 of the fused p2p call on rank 0 (top functions by own time). Methods: nccl16 (dist.all_reduce),
-oneshot16, p2p4 (fused kernel), p2p4-staged (three kernels), auto4 (EchoCommunicator,
-backend='auto', in place).
+oneshot16, p2p4 (fused kernel), p2p4-staged (three kernels), auto4 / auto4c (EchoCommunicator,
+backend='auto', in place; uncompensated / compensated, local residual).
 """
 from __future__ import annotations
 
@@ -66,6 +66,8 @@ def worker(rank: int, world: int, nbytes: int, calls: int) -> dict:
     one = OneShotBackend(None, cap_bytes=max(nbytes, 1 << 20))
     comm = EchoCommunicator.from_group(None, cfg)
     comm.new_pass()
+    comm_c = EchoCommunicator.from_group(None, EchoConfig(bits=4, residual="local"))
+    comm_c.new_pass()
     methods = {
         "nccl16": lambda: dist.all_reduce(buf),
         "oneshot16": lambda: one.run(buf, cfg, state=None, backward=False, record=False,
@@ -73,6 +75,7 @@ def worker(rank: int, world: int, nbytes: int, calls: int) -> dict:
         "p2p4": lambda: fused.run(x, cfg, state=None, backward=False, record=False),
         "p2p4-staged": lambda: staged.run(x, cfg, state=None, backward=False, record=False),
         "auto4": lambda: comm.all_reduce(buf, inplace=True),
+        "auto4c": lambda: comm_c.all_reduce(buf, inplace=True),
     }
     out = {"rows": {}}
     for name, fn in methods.items():
@@ -80,12 +83,10 @@ def worker(rank: int, world: int, nbytes: int, calls: int) -> dict:
         out["rows"][name] = {"host_us": round(host, 1), "wall_us": round(wall, 1)}
     out["backend_auto"] = comm.dispatcher.last_backend
     out["fast_launch_entries"] = len(ak._FAST)
-    if rank == 0:
-        out["profile_auto4"] = _profile(methods["auto4"], calls)
-        out["profile_p2p4"] = _profile(methods["p2p4"], calls)
-    else:
-        _profile(methods["auto4"], calls)
-        _profile(methods["p2p4"], calls)
+    for name in ("auto4", "auto4c", "p2p4"):
+        prof = _profile(methods[name], calls)
+        if rank == 0:
+            out[f"profile_{name}"] = prof
     for b in (fused, staged, one):
         b.check_error()
     return out
@@ -108,8 +109,8 @@ def main() -> None:
               f"{d['fast_launch_entries']}")
         for name, row in d["rows"].items():
             print(f"  {name:12s} host {row['host_us']:7.1f} us/call   wall {row['wall_us']:7.1f}")
-    print(res[0]["profile_auto4"])
-    print(res[0]["profile_p2p4"])
+    for name in ("auto4", "auto4c", "p2p4"):
+        print(res[0][f"profile_{name}"])
 
 
 if __name__ == "__main__":

@@ -1,11 +1,15 @@
 """Benchmark scaffolding that can be checked without GPUs: e2e.py's compute-only stand-in must
 accept every keyword the TP sites pass to a communicator (a missing one crashed a device run),
-and the all-reduce benchmark's table/plot helpers work on rows of the recorded shape."""
+the all-reduce and e2e benchmarks' table/plot helpers work on rows of the recorded shape, and
+the one-GPU stage profile runs (under TRITON_INTERPRET on the CPU)."""
 import inspect
+import os
 import sys
 from pathlib import Path
 
-import pytest
+os.environ.setdefault("TRITON_INTERPRET", "1")    # before triton.jit decorates anything
+
+import pytest  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -32,3 +36,24 @@ def test_allreduce_tables_and_plot(tmp_path):
     assert ar.crossover(rows) == 1 << 20
     ar.plot(rows, 2, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_e2e_table_and_plot_with_a_subset_of_comms(tmp_path):
+    e2e = pytest.importorskip("e2e")
+    row = {"model": "llama-3-8b", "kind": "prefill", "batch": 4, "msg_mb": 64.0, "load": 0.0,
+           "no-ar": 90.0, "nccl16": 100.0, "echo4bf": 95.0, "ar_share": 0.1,
+           "amdahl_bound": 1.11, "speedup_nccl16": 1.0, "speedup_echo4bf": 100 / 95}
+    meta = {"world_size": 2, "date": "2026-11-30", "gpus": "2x H200", "torch": "t",
+            "triton": "t", "nccl": "n", "command": "c"}
+    md = e2e.markdown([row], meta)
+    assert "| 1.05 |" in md and "| - |" in md          # echo4bf shown, absent comms as '-'
+    e2e.plot([row], meta, tmp_path / "e2e.png")
+    assert (tmp_path / "e2e.png").stat().st_size > 0
+
+
+def test_stage_profile_runs_on_the_cpu():
+    sp = pytest.importorskip("stage_profile")
+    row = sp.stage_times(2, 4096, "c4-loc-bf16c", 1024, 4, reps=1, dev="cpu", step=256)
+    assert row["step"] == 256 and row["sum_ms"] > 0
+    assert row["sum_ms"] == pytest.approx(row["entry_ms"] + row["reduce_ms"] + row["tail_ms"],
+                                          abs=1e-3)

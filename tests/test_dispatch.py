@@ -19,7 +19,8 @@ def test_crossover_table(monkeypatch):
     assert sb(EchoConfig(bits=4, beta1=0.0, beta2=0.0)) == 8             # one fp32 tensor
     assert sb(EchoConfig(bits=4, beta1=0.0, beta2=0.0, state_dtype="bfloat16")) == 4
     assert p2p.crossover_bytes(2, 0) == 64 << 20
-    assert p2p.crossover_bytes(2, 16) is None            # fp32 state lost at every size
+    assert p2p.crossover_bytes(2, 16) is None            # fp32 state: HBM-bound, never 5% faster
+    assert p2p.crossover_bytes(2, 8) == p2p.crossover_bytes(2, 4) == 64 << 20   # bf16 states
     assert p2p.crossover_bytes(4, 0) == p2p.crossover_bytes(2, 0)   # unmeasured P
     assert p2p.crossover_bytes(2, 2) is None             # unmeasured state size: never
     monkeypatch.setenv("ECHO_P2P_MIN_BYTES", "0")
@@ -27,6 +28,23 @@ def test_crossover_table(monkeypatch):
     monkeypatch.setenv("ECHO_P2P_MIN_BYTES", "lots")
     with pytest.raises(ValueError, match="ECHO_P2P_MIN_BYTES"):
         p2p.crossover_bytes(2, 0)
+
+
+def test_tile_shape_by_segment_length():
+    """Tiles (values per flag and release) grow with the segment, between the step and
+    TILE_MAX, powers of two, at least TILES_PER_SEGMENT of them when the segment allows."""
+    ts = p2p.tile_shape
+    assert ts(100_000, False, False) == (2048, 2048)           # small: the step
+    assert ts(100_000, True, False) == (1024, 1024)            # compensated: 1024-value steps
+    assert ts(16 << 20, False, False) == (8192, 2048)          # 64 MiB bf16 at P=2: 2048 tiles
+    assert ts(256 << 20, True, False) == (p2p.TILE_MAX, 1024)  # 1 GiB at P=2: capped
+    assert ts(4 << 20, False, True) == (16384, 2048)           # fused: 256 tiles per segment
+    for seg in (1, 777, 3_000_017, 1 << 30):
+        for comp in (False, True):
+            for fused in (False, True):
+                tile, step = ts(seg, comp, fused)
+                assert tile & (tile - 1) == 0 and step <= tile <= max(step, p2p.TILE_MAX)
+                assert tile == step or seg // tile >= p2p.TILES_PER_SEGMENT[fused]
 
 
 def test_oneshot_cap_table(monkeypatch):

@@ -163,10 +163,10 @@ def _fused_input(P, n, dtype, seed, scale):
 
 
 def _check_fused(P, cfg, n, dtype, backward, calls, seed, state_dtype=torch.float32,
-                 compact=False, tile=256):
+                 compact=False, tile=256, step=ak.STEP_ELEMS):
     """SimulatedFused against compensated_all_reduce over SimTransport: y, m1, m2 bit for bit
     over `calls` consecutive calls (the state feeds back; the flags' epoch advances)."""
-    sim = sf.SimulatedFused(P, tile_elems=tile)
+    sim = sf.SimulatedFused(P, tile_elems=tile, step_elems=step)
     ref_state = CompState.zeros((P, n), "cpu", state_dtype, compact=compact)
     state = CompState.zeros((P, n), "cpu", state_dtype, compact=compact)
     for call in range(calls):
@@ -214,6 +214,19 @@ def test_fused_compact_state_matches_reference(residual, sdtype):
                  compact=True, tile=1024)
 
 
+@pytest.mark.parametrize("P,bits,residual,sdtype,backward",
+                         [(2, 4, "local", torch.bfloat16, True),
+                          (3, 4, "output", torch.float32, False),
+                          (4, 8, "local", torch.float32, False)])
+def test_fused_tile_in_steps_matches_reference(P, bits, residual, sdtype, backward):
+    """A tile larger than a step (1024 values in 4 steps of 256: one flag and one release per
+    tile, the steps' stores in flight together), last tile of each segment partial."""
+    cfg = EchoConfig(bits=bits, residual=residual,
+                     state_dtype="bfloat16" if sdtype == torch.bfloat16 else "float32")
+    _check_fused(P, cfg, 3000 + 53 * P, torch.bfloat16, backward, calls=2, seed=1300 + P,
+                 state_dtype=sdtype, tile=1024, step=256)
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_fused_uncompensated_and_nonfinite(bits):
     """No state (eta = 0 path) and NaN/Inf inputs: y matches, NaN lands in the same places."""
@@ -253,12 +266,12 @@ def test_missing_peer_times_out_with_rank_stage_tile():
         sim(x, EchoConfig(bits=4, eta=0.0), state=None, stages=("reduce",))
 
 
-def _concurrent_rank(rank, P, bufs, errs, xs, ys, m1s, m2s, cfg, programs):
+def _concurrent_rank(rank, P, bufs, errs, xs, ys, m1s, m2s, cfg, programs, tile, step):
     """One simulated rank in its own process: consecutive calls, no barrier between them.
     programs=0: the three stage kernels (host-bumped epoch); else the fused kernel with that
     many programs (per-program epochs)."""
     torch.set_num_threads(1)
-    lay = ak.Layout.build(xs.shape[-1], P, cfg.quant_spec(), tile_elems=256)
+    lay = ak.Layout.build(xs.shape[-1], P, cfg.quant_spec(), tile_elems=tile)
     table = torch.tensor([b.data_ptr() for b in bufs] + [errs[rank].data_ptr()])
     epoch = torch.zeros(max(1, programs), dtype=torch.int64)
     state = CompState(m1s[rank], m2s[rank])
@@ -266,7 +279,8 @@ def _concurrent_rank(rank, P, bufs, errs, xs, ys, m1s, m2s, cfg, programs):
         if not programs:
             epoch.add_(1)
         plan = ak.CallPlan(rank=rank, lay=lay, cfg=cfg, x=xs[call, rank], state=state, fs=None,
-                           epoch=epoch, table=table, timeout=300_000, use_timer=False)
+                           epoch=epoch, table=table, timeout=300_000, use_timer=False,
+                           step_elems=step)
         time.sleep(0.6 if rank == call % P else 0.0)          # one rank pushes late,
         if programs:
             plan.fused(ys[call, rank], programs)
@@ -277,10 +291,11 @@ def _concurrent_rank(rank, P, bufs, errs, xs, ys, m1s, m2s, cfg, programs):
         plan.tail(ys[call, rank])
 
 
-@pytest.mark.parametrize("P,residual,programs", [(2, "local", 0), (3, "output", 0),
-                                                 (2, "output", 2), (3, "local", 1),
-                                                 (4, "output", 2)])
-def test_fused_ranks_in_concurrent_processes(P, residual, programs):
+@pytest.mark.parametrize("P,residual,programs,tile,step",
+                         [(2, "local", 0, 256, 256), (3, "output", 0, 256, 256),
+                          (2, "output", 2, 256, 256), (3, "local", 1, 256, 256),
+                          (4, "output", 2, 256, 256), (2, "local", 2, 512, 256)])
+def test_fused_ranks_in_concurrent_processes(P, residual, programs, tile, step):
     """The flag protocol with real concurrency: P processes share their buffers (as symmetric
     memory would), each runs 3 calls back to back; every wait must see its peer's data and no
     rank may overwrite a slot a slower peer still reads. programs > 0: the single fused kernel,
@@ -288,7 +303,7 @@ def test_fused_ranks_in_concurrent_processes(P, residual, programs):
     import torch.multiprocessing as mp
     cfg = EchoConfig(bits=4, residual=residual)
     calls, n = 3, 1000 if not programs else 2300
-    lay = ak.Layout.build(n, P, cfg.quant_spec(), tile_elems=256)
+    lay = ak.Layout.build(n, P, cfg.quant_spec(), tile_elems=tile)
     bufs = [torch.randint(0, 256, (lay.nbytes,), dtype=torch.uint8).share_memory_()
             for _ in range(P)]
     for b in bufs:
@@ -298,7 +313,8 @@ def test_fused_ranks_in_concurrent_processes(P, residual, programs):
                       for c in range(calls)]).share_memory_()
     ys = torch.empty_like(xs).share_memory_()
     m1s, m2s = torch.zeros(P, n).share_memory_(), torch.zeros(P, n).share_memory_()
-    mp.start_processes(_concurrent_rank, args=(P, bufs, errs, xs, ys, m1s, m2s, cfg, programs),
+    mp.start_processes(_concurrent_rank, args=(P, bufs, errs, xs, ys, m1s, m2s, cfg, programs,
+                                               tile, step),
                        nprocs=P, start_method="spawn")
     for r in range(P):
         assert describe_error(errs[r]) is None, describe_error(errs[r])

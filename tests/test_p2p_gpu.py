@@ -2,7 +2,8 @@
 
 Each spawned rank (tests/harness.py, gloo default group plus an NCCL group for the GPUs) runs
 the same fresh random inputs through P2PBackend and through the reference TransportBackend
-(collective/qar.py over DistTransport) with separate compensator states, three calls in a row,
+(collective/qar.py over DistTransport, quantizing with quant.py: torch, not the Triton
+kernels) with separate compensator states, three calls in a row,
 and compares bit for bit: y, m1, m2 (NaN matches NaN; no other tolerance). Cases cover bf16 and
 fp16, bits 4/8, the three policies, both residual modes, no compensation, odd sizes and
 backward power-of-two scaling; one case replays a captured CUDA graph. A second test runs two
@@ -44,6 +45,11 @@ CASES = [
     (4, "naive", "output", 0.75, "bfloat16", True, 1_000_000, "bfloat16"),
     (4, "zero_aware", "local", 1.0, "bfloat16", False, 1_500_001, "bfloat16-compact"),
     (4, "zero_aware", "output", 0.75, "float16", True, 700_001, "float32-compact"),
+    # large enough for multi-step tiles (p2p.tile_shape): staged 8192-16384-value tiles in
+    # 2048 (uncompensated) / 1024 (compensated) steps; fused (<= 32 MiB) 16384-value tiles
+    (4, "zero_aware", "output", 0.0, "bfloat16", False, 50_000_001),
+    (4, "zero_aware", "local", 1.0, "bfloat16", False, 40_000_003, "bfloat16-compact"),
+    (4, "naive", "local", 0.75, "bfloat16", True, 12_000_001),
 ]
 
 
@@ -88,6 +94,7 @@ def exactness_worker(rank: int, world: int, cases=CASES, calls: int = 3, group=N
     reason = p2p_unavailable_reason(group)
     if reason is not None:
         return [{"error": reason}]
+    os.environ["ECHO_TORCH_QUANT"] = "1"   # the reference quantizes with quant.py (torch)
     p2p = P2PBackend(group, min_bytes=0, fused=fused)
     calls = int(os.environ.get("ECHO_TEST_CALLS", calls))
     ref = TransportBackend(DistTransport(group))

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from .. import envs
 from ..compensator import CompState
 from ..config import EchoConfig
-from .qar import StepRecord, compensated_all_reduce, grad_scale
+from .qar import StepRecord, compensated_all_reduce, grad_scale, segment_len
 from .reference import DistTransport
 
 log = logging.getLogger(__name__)
@@ -45,14 +45,15 @@ CROSSOVER: dict[tuple[int, int], int | None] = {
     # an eager p2p call beats NCCL's bf16 all-reduce by >= 5% at every larger measured size;
     # None: never measured faster. State bytes (`state_bytes`): 0 uncompensated; 16 fp32 m1 +
     # m2; 8 bf16 m1 + m2 or one fp32 tensor (beta1 == beta2); 4 one bf16 tensor.
-    # 2026-11-29, 2 H200s, NVLink (docs/results/2026-11-29-p2p-x2-r2.md): uncompensated
-    # 4-bit 1.49-1.65x at 64 MiB, 1.82-1.89x from 128 MiB (16 MiB: 1.12x, but the one-shot
-    # 16-bit kernel is as fast there and exact); compensated with 16 or 8 state bytes 0.75-0.90x
-    # at 16 MiB-1 GiB (state traffic), so never.
+    # 2026-11-30, 2 H200s, NVLink (docs/results/2026-11-30-p2p-x2-r3.md, row 15): 4-bit
+    # uncompensated 1.82x at 64 MiB, 2.47-2.60x from 128 MiB (16 MiB: 1.35x, but the one-shot
+    # 16-bit kernel is close there and exact); compensated, local residual: one bf16 tensor
+    # (4 B) 1.61x at 64 MiB, 1.73-1.82x above; bf16 pair (8 B) 1.31x, 1.37-1.42x; fp32 pair
+    # (16 B, HBM-bound) 1.00-1.04x: never 5% faster.
     (2, 0): 64 << 20,
     (2, 16): None,
-    (2, 8): None,
-    (2, 4): None,
+    (2, 8): 64 << 20,
+    (2, 4): 64 << 20,
 }
 """Unmeasured P use P=2's entries (NCCL's own cost grows with P, so this errs on NCCL's side).
 Inside CUDA graph capture the launch cost is gone: uncompensated calls take p2p at every size
@@ -89,11 +90,29 @@ FUSED_MAX_BYTES: dict[int, int] = {
 }
 """Unmeasured P use P=2's entry."""
 
-STAGED_COMPENSATED_TILE = 1024
-"""Tile of compensated calls on the stage kernels. 2026-11-29, 2 H200s, 4-bit, bf16 state with
-beta1 == beta2: 1024 values 1.00-1.04x NCCL at 64-512 MiB and 0.97x at 1 GiB, 2048 values
-0.87-0.94x (docs/results/2026-11-29-p2p-x2-r2.md, row 12); uncompensated calls keep 2048
-(1.46-1.55x at 1024 vs 1.81-1.88x)."""
+STEP_ELEMS = {False: 2048, True: 1024}
+"""Values per step (what a program holds in registers at once), uncompensated / compensated.
+2026-11-29, 2 H200s: compensated kernels at 2048 values per step need ~110-127 registers at
+4 warps (half the resident warps); 1024 brought bf16 one-tensor calls from 0.87-0.94x to
+1.00-1.04x NCCL; uncompensated calls keep 2048 (1.81-1.88x vs 1.46-1.55x at 1024)."""
+
+TILE_MAX = 16384
+TILES_PER_SEGMENT = {False: 2048, True: 256}
+"""Tile size (values per flag and per system-scope release) by segment length: the largest
+power of two with at least TILES_PER_SEGMENT[fused] tiles per segment, between the step and
+TILE_MAX. Every tile ends in a fence that waits for its remote stores to land, so larger
+tiles keep more bytes in flight per fence; too few tiles leave SMs idle. 2026-11-30, 2 H200s
+(docs/results/2026-11-30-p2p-x2-r3.md): 4-bit 1 GiB 1.62 ms at 2048-value tiles, 1.32 at
+8192, 1.24 at 16384; 64 MiB best at 8192 (2.20x vs 1.51x at 16384); compensated (bf16, one
+tensor, 1024-value steps) 1 GiB 2.96 ms at 1024-value tiles, 1.79 at 16384."""
+
+
+def tile_shape(seg: int, compensated: bool, fused: bool) -> tuple[int, int]:
+    """(values per tile, values per step) for a segment of `seg` values."""
+    step = STEP_ELEMS[compensated]
+    want = max(1, seg // TILES_PER_SEGMENT[fused])
+    tile = 1 << (want.bit_length() - 1)                    # power of two <= want
+    return min(max(tile, step), TILE_MAX), step
 
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -213,7 +232,8 @@ class P2PBackend:
 
     def __init__(self, group: dist.ProcessGroup | None = None, *,
                  min_bytes: int | None = None, tile_elems: int | None = None,
-                 num_warps: int | None = None, fused: bool | None = None,
+                 num_warps: int | None = None, step_elems: int | None = None,
+                 fused: bool | None = None,
                  programs_per_sm: int = 4,
                  fused_max_bytes: int | None = None):
         from ..kernels import allreduce_kernels as ak
@@ -228,9 +248,10 @@ class P2PBackend:
         """Fixed gate for every call (benchmarks, backend='p2p': 0); None: crossover_bytes."""
         self._gate: dict[int, int | None] = {}      # state bytes -> gate (crossover_bytes)
         self.tile_elems = tile_elems
-        """Values per tile; None: ak.TILE_ELEMS (2048), except compensated calls on the stage
-        kernels, which take STAGED_COMPENSATED_TILE (1024: 8 values per thread at 4 warps,
-        ~64 registers instead of ~127, twice the resident warps)."""
+        """Values per tile (one flag, one release); None: by segment length (`tile_shape`)."""
+        self.step_elems = step_elems
+        """Values per step within a tile (what a program holds in registers at once); None:
+        STEP_ELEMS by compensation; capped at the tile."""
         self.num_warps = num_warps
         """Warps per program; None: 8 for the fused kernel, 4 for the stage kernels (2 H200s,
         1 GiB, 4-bit: stage kernels 1.78 ms at 4 warps vs 2.18 ms at 8)."""
@@ -289,7 +310,7 @@ class P2PBackend:
             raise ValueError(f"p2p backend cannot run this call: {why}")
         fused = self.fused if self.fused is not None else \
             x.numel() * x.element_size() <= self.fused_max_bytes
-        ws = self._workspace(x, cfg, fused)
+        ws, step = self._workspace(x, cfg, fused)
         fs = None
         if backward and cfg.grad_scaling:
             fs = grad_scale(self._ak.local_amax(x, state, cfg), self.transport)   # [1]
@@ -299,7 +320,8 @@ class P2PBackend:
         plan = self._ak.CallPlan(rank=self.rank, lay=ws.lay, cfg=cfg, x=x, state=state, fs=fs,
                                  epoch=ws.epochs if fused else ws.epoch, table=ws.table,
                                  timeout=self._timeout_units(), use_timer=self.use_timer,
-                                 num_warps=self.num_warps or (8 if fused else 4))
+                                 num_warps=self.num_warps or (8 if fused else 4),
+                                 step_elems=step)
         if fused:
             self._with_timer_fallback(plan, lambda: plan.fused(y, ws.programs))
             return y, None
@@ -330,17 +352,20 @@ class P2PBackend:
         self._ws_by_call.clear()
 
     # ----- helpers -----
-    def _workspace(self, x: torch.Tensor, cfg: EchoConfig, fused: bool) -> "_Workspace":
+    def _workspace(self, x: torch.Tensor, cfg: EchoConfig,
+                   fused: bool) -> tuple["_Workspace", int]:
         """The workspace of a call's layout and kernel form (the fused kernel's per-program
-        epochs and the stage kernels' single epoch never share flags)."""
+        epochs and the stage kernels' single epoch never share flags), and the step."""
         spec = cfg.quant_spec()
-        tile = self.tile_elems or (STAGED_COMPENSATED_TILE if cfg.compensated and not fused
-                                   else self._ak.TILE_ELEMS)
-        tile = max(tile, spec.group_size)
-        call_key = (x.numel(), x.dtype, spec, fused, tile)
+        comp = cfg.compensated
+        call_key = (x.numel(), x.dtype, spec, fused, comp)
         ws = self._ws_by_call.get(call_key)
         if ws is not None:
-            return ws
+            return ws                                # (workspace, step)
+        tile, step = tile_shape(segment_len(x.numel(), self.world_size, spec.group_size), comp,
+                                fused)
+        tile = max(self.tile_elems or tile, spec.group_size)
+        step = max(min(self.step_elems or step, tile), spec.group_size)
         lay = self._ak.Layout.build(x.numel(), self.world_size, spec, tile)
         key = (x.dtype, spec.bits, spec.quantizer, spec.group_size, self.world_size, lay.seg,
                fused, tile)
@@ -348,8 +373,8 @@ class P2PBackend:
         if ws is None:
             ws = self._ws[key] = _Workspace(lay, self.group, self.rank, self.device, self._err,
                                             self.programs if fused else 0)
-        self._ws_by_call[call_key] = ws
-        return ws
+        self._ws_by_call[call_key] = (ws, step)
+        return ws, step
 
     def _with_timer_fallback(self, plan, launch) -> None:
         try:

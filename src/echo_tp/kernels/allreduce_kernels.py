@@ -33,7 +33,7 @@ from .. import envs
 from ..compensator import CompState
 from ..config import CompensatorConstants, EchoConfig, QuantSpec
 from .flags import signal, wait_geq
-from .quant_kernels import (DTYPE_KIND, LAUNCH_OPTS, _cast_out, _codes, _dequant, _group_params,
+from .quant_kernels import (DTYPE_KIND, HW_FORMS, LAUNCH_OPTS, _cast_out, _codes, _dequant, _group_params,
                             _load_codes, _load_f32, _store_codes, f32, spec_constexprs)
 
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -41,6 +41,10 @@ STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 TILE_ELEMS = 2048
 """Values per tile (one program, one flag): a multiple of the group size."""
+
+STEP_ELEMS = 2048
+"""Values a program holds in registers at once: a tile larger than this goes in steps
+(a power of two, at least one group; capped at the tile)."""
 
 
 # ----------------------------------------------------------------------------- device helpers
@@ -52,7 +56,10 @@ def _x_prime(x_ptr, m1_ptr, m2_ptr, e, emask, eta, a, oma, X_KIND: tl.constexpr,
     x = _load_f32(x_ptr + e, emask, X_KIND)
     if COMP:
         m1 = _load_state(m1_ptr + e, emask)
-        m2 = _load_state(m2_ptr + e, emask)
+        if m2_ptr.to(tl.int64) == m1_ptr.to(tl.int64):   # one state tensor (beta1 == beta2)
+            m2 = m1
+        else:
+            m2 = _load_state(m2_ptr + e, emask)
         xp = x + (m1 * a + m2 * oma) * eta
     else:
         m1 = x
@@ -97,18 +104,23 @@ def _store_state(ptr, v, mask):
 
 @triton.jit
 def _update(m1_ptr, m2_ptr, e, emask, m1, m2, u, b1, omb1, b2, omb2):
-    """m1 = m1*beta1 + u*(1-beta1); m2 = m2*beta2 + u*(1-beta2) at element ids e."""
+    """m1 = m1*beta1 + u*(1-beta1); m2 = m2*beta2 + u*(1-beta2) at element ids e (one store
+    when m2 is m1: beta1 == beta2 makes both updates the same value)."""
     _store_state(m1_ptr + e, m1 * b1 + u * omb1, emask)
-    _store_state(m2_ptr + e, m2 * b2 + u * omb2, emask)
+    if m2_ptr.to(tl.int64) != m1_ptr.to(tl.int64):
+        _store_state(m2_ptr + e, m2 * b2 + u * omb2, emask)
 
 
 @triton.jit
 def _as_f32_of_out(v, X_KIND: tl.constexpr):
     """fp32 value of cast(v) in the output dtype (what y.to(float32) reads back)."""
     if X_KIND == 2:
-        b = v.to(tl.uint32, bitcast=True)
-        r = ((b + (0x7FFF + ((b >> 16) & 1))) >> 16) << 16
-        out = tl.where(v != v, v, r.to(tl.float32, bitcast=True))
+        if HW_FORMS:
+            out = v.to(tl.bfloat16).to(tl.float32)
+        else:
+            b = v.to(tl.uint32, bitcast=True)
+            r = ((b + (0x7FFF + ((b >> 16) & 1))) >> 16) << 16
+            out = tl.where(v != v, v, r.to(tl.float32, bitcast=True))
     elif X_KIND == 1:
         out = v.to(tl.float16).to(tl.float32)
     else:
@@ -177,26 +189,29 @@ def _entry_tile(t, j, ep, x_ptr, m1_ptr, m2_ptr, fs_ptr, table_ptr,
                 n, seg, groups, slot, scale_off, zero_off, flags_off, tiles,
                 eta, a, oma, b1, omb1, b2, omb2,
                 RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr, BG: tl.constexpr,
-                GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
+                SG: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
                 LEVELS: tl.constexpr, QMAX: tl.constexpr, COMP: tl.constexpr,
                 SCALED: tl.constexpr, LOCAL: tl.constexpr):
-    """Quantize tile t of segment j (!= RANK) and push it to owner j; signal recv[RANK][t]."""
-    grp = t * BG + tl.arange(0, BG)                        # groups of the tile in a segment [BG]
-    gmask = grp < groups
-    e = (tl.zeros([], tl.int64) + j) * seg + grp[:, None] * GS + tl.arange(0, GS)[None, :]
-    emask = gmask[:, None] & (e < n)
-    xp, m1, m2, xs, f = _x_scaled(x_ptr, m1_ptr, m2_ptr, fs_ptr, e, emask, eta, a, oma, X_KIND,
-                                  COMP, SCALED)
-    s16, sf, z16, zf, finite = _group_params(xs, QUANT, LEVELS, QMAX)
-    q = _codes(xs, sf, zf, finite, QUANT, LEVELS, QMAX)
+    """Quantize tile t of segment j (!= RANK) and push it to owner j; signal recv[RANK][t].
+    The tile's BG groups go in steps of SG: each step's remote stores stay in flight while the
+    next step computes, and one release (a system-scope fence) covers the whole tile."""
     peer = _buffer(table_ptr, j)
-    _store_packet(peer + _slot(RANK, slot), scale_off, zero_off, grp, gmask, q, s16, z16,
-                  GS, BITS, BG, QUANT)                     # peer j's receive slot of RANK
-    if LOCAL:
-        err = xs - _dequant(q, sf, zf, QUANT, QMAX)        # x'_j - decode(encode(x'_j))
-        if SCALED:
-            err = err * tl.math.div_rn(tl.full([], 1.0, tl.float32), f)
-        _update(m1_ptr, m2_ptr, e, emask, m1, m2, err, b1, omb1, b2, omb2)
+    for c in tl.range(0, BG // SG):
+        grp = t * BG + c * SG + tl.arange(0, SG)           # groups of the step [SG]
+        gmask = grp < groups
+        e = (tl.zeros([], tl.int64) + j) * seg + grp[:, None] * GS + tl.arange(0, GS)[None, :]
+        emask = gmask[:, None] & (e < n)
+        xp, m1, m2, xs, f = _x_scaled(x_ptr, m1_ptr, m2_ptr, fs_ptr, e, emask, eta, a, oma,
+                                      X_KIND, COMP, SCALED)
+        s16, sf, z16, zf, finite = _group_params(xs, QUANT, LEVELS, QMAX)
+        q = _codes(xs, sf, zf, finite, QUANT, LEVELS, QMAX)
+        _store_packet(peer + _slot(RANK, slot), scale_off, zero_off, grp, gmask, q, s16, z16,
+                      GS, BITS, SG, QUANT)                 # peer j's receive slot of RANK
+        if LOCAL:
+            err = xs - _dequant(q, sf, zf, QUANT, QMAX)    # x'_j - decode(encode(x'_j))
+            if SCALED:
+                err = err * tl.math.div_rn(tl.full([], 1.0, tl.float32), f)
+            _update(m1_ptr, m2_ptr, e, emask, m1, m2, err, b1, omb1, b2, omb2)
     signal((peer + flags_off).to(tl.pointer_type(tl.int64)) + RANK * tiles + t, ep)
 
 
@@ -205,50 +220,52 @@ def _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, fs_ptr, table_ptr,
                  n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
                  eta, a, oma, b1, omb1, b2, omb2,
                  RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr, BG: tl.constexpr,
-                 GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
+                 SG: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
                  LEVELS: tl.constexpr, QMAX: tl.constexpr, COMP: tl.constexpr,
                  SCALED: tl.constexpr, LOCAL: tl.constexpr, USE_TIMER: tl.constexpr):
     """Owner sum of tile t of the own segment, requantized and pushed to every rank's gather
-    slot RANK; signal gath[RANK][t] everywhere."""
+    slot RANK; signal gath[RANK][t] everywhere. Waits once, then steps of SG groups."""
     own = _buffer(table_ptr, RANK)
     flags = (own + flags_off).to(tl.pointer_type(tl.int64))   # recv [P][tiles], gath [P][tiles]
     abort = flags + 2 * P * tiles
     err_rec = tl.load(table_ptr + P).to(tl.pointer_type(tl.int64))
-    grp = t * BG + tl.arange(0, BG)
-    gmask = grp < groups
-    e = tl.full([], RANK, tl.int64) * seg + grp[:, None] * GS + tl.arange(0, GS)[None, :]
-    emask = gmask[:, None] & (e < n)
-    xp, m1, m2, xs, f = _x_scaled(x_ptr, m1_ptr, m2_ptr, fs_ptr, e, emask, eta, a, oma, X_KIND,
-                                  COMP, SCALED)
     ok = ep == ep
     for r in tl.static_range(P):
         if r != RANK:
             ok = ok & wait_geq(flags + r * tiles + t, ep, abort, err_rec, RANK, 1, t, r,
                                timeout, USE_TIMER)
-    for r in tl.static_range(P):                           # acc = c_0; acc = acc + c_1; ...
-        if r == RANK:
-            v = xs
-        else:
-            v = _decode_slot(own + _slot(r, slot), scale_off, zero_off, grp, gmask, GS, BITS, BG,
-                             QUANT, QMAX)
-        if r == 0:
-            acc = v
-        else:
-            acc = acc + v
-    s16, sf, z16, zf, finite = _group_params(acc, QUANT, LEVELS, QMAX)
-    q = _codes(acc, sf, zf, finite, QUANT, LEVELS, QMAX)
-    pmask = gmask & ok
-    for i in tl.static_range(P):                           # own slot last
-        dst = _buffer(table_ptr, (RANK + 1 + i) % P) + _slot(P + RANK, slot)
-        _store_packet(dst, scale_off, zero_off, grp, pmask, q, s16, z16, GS, BITS, BG, QUANT)
-    if LOCAL:
-        y32 = _dequant(q, sf, zf, QUANT, QMAX)
-        if SCALED:
-            inv = tl.math.div_rn(tl.full([], 1.0, tl.float32), f)
-            u = acc * inv - _as_f32_of_out(y32 * inv, X_KIND)
-        else:
-            u = acc - _as_f32_of_out(y32, X_KIND)
-        _update(m1_ptr, m2_ptr, e, emask & ok, m1, m2, u, b1, omb1, b2, omb2)
+    for c in tl.range(0, BG // SG):
+        grp = t * BG + c * SG + tl.arange(0, SG)
+        gmask = grp < groups
+        e = tl.full([], RANK, tl.int64) * seg + grp[:, None] * GS + tl.arange(0, GS)[None, :]
+        emask = gmask[:, None] & (e < n)
+        xp, m1, m2, xs, f = _x_scaled(x_ptr, m1_ptr, m2_ptr, fs_ptr, e, emask, eta, a, oma,
+                                      X_KIND, COMP, SCALED)
+        for r in tl.static_range(P):                       # acc = c_0; acc = acc + c_1; ...
+            if r == RANK:
+                v = xs
+            else:
+                v = _decode_slot(own + _slot(r, slot), scale_off, zero_off, grp, gmask, GS,
+                                 BITS, SG, QUANT, QMAX)
+            if r == 0:
+                acc = v
+            else:
+                acc = acc + v
+        s16, sf, z16, zf, finite = _group_params(acc, QUANT, LEVELS, QMAX)
+        q = _codes(acc, sf, zf, finite, QUANT, LEVELS, QMAX)
+        pmask = gmask & ok
+        for i in tl.static_range(P):                       # own slot last
+            dst = _buffer(table_ptr, (RANK + 1 + i) % P) + _slot(P + RANK, slot)
+            _store_packet(dst, scale_off, zero_off, grp, pmask, q, s16, z16, GS, BITS, SG,
+                          QUANT)
+        if LOCAL:
+            y32 = _dequant(q, sf, zf, QUANT, QMAX)
+            if SCALED:
+                inv = tl.math.div_rn(tl.full([], 1.0, tl.float32), f)
+                u = acc * inv - _as_f32_of_out(y32 * inv, X_KIND)
+            else:
+                u = acc - _as_f32_of_out(y32, X_KIND)
+            _update(m1_ptr, m2_ptr, e, emask & ok, m1, m2, u, b1, omb1, b2, omb2)
     if ok:
         for i in tl.static_range(P):
             peer = _buffer(table_ptr, (RANK + 1 + i) % P)
@@ -261,29 +278,31 @@ def _tail_tile(t, j, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, table_ptr,
                n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
                eta, a, oma, b1, omb1, b2, omb2,
                RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr, BG: tl.constexpr,
-               GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
+               SG: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
                QMAX: tl.constexpr, PF: tl.constexpr, COMP: tl.constexpr,
                SCALED: tl.constexpr, OUTPUT: tl.constexpr, USE_TIMER: tl.constexpr):
-    """Wait gath[j][t]; decode tile t of owner j's packet into y (+ output-residual update)."""
+    """Wait gath[j][t]; decode tile t of owner j's packet into y (+ output-residual update),
+    in steps of SG groups."""
     own = _buffer(table_ptr, RANK)
     flags = (own + flags_off).to(tl.pointer_type(tl.int64))
     err_rec = tl.load(table_ptr + P).to(tl.pointer_type(tl.int64))
     ok = wait_geq(flags + (P + j) * tiles + t, ep, flags + 2 * P * tiles, err_rec, RANK, 2, t,
                   j, timeout, USE_TIMER)
-    grp = t * BG + tl.arange(0, BG)
-    gmask = grp < groups
-    e = (tl.zeros([], tl.int64) + j) * seg + grp[:, None] * GS + tl.arange(0, GS)[None, :]
-    emask = gmask[:, None] & (e < n) & ok
-    y32 = _decode_slot(own + _slot(P + j, slot), scale_off, zero_off, grp, gmask, GS, BITS, BG,
-                       QUANT, QMAX)
-    if SCALED:
-        y32 = y32 * tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.load(fs_ptr))
-    tl.store(y_ptr + e, _cast_out(y32, X_KIND), mask=emask)
-    if OUTPUT:
-        xp, m1, m2 = _x_prime(x_ptr, m1_ptr, m2_ptr, e, emask, eta, a, oma, X_KIND, COMP)
-        yf = _as_f32_of_out(y32, X_KIND)
-        u = xp - tl.math.div_rn(yf, tl.full(yf.shape, PF, tl.float32))   # x' - y/P
-        _update(m1_ptr, m2_ptr, e, emask, m1, m2, u, b1, omb1, b2, omb2)
+    for c in tl.range(0, BG // SG):
+        grp = t * BG + c * SG + tl.arange(0, SG)
+        gmask = grp < groups
+        e = (tl.zeros([], tl.int64) + j) * seg + grp[:, None] * GS + tl.arange(0, GS)[None, :]
+        emask = gmask[:, None] & (e < n) & ok
+        y32 = _decode_slot(own + _slot(P + j, slot), scale_off, zero_off, grp, gmask, GS, BITS,
+                           SG, QUANT, QMAX)
+        if SCALED:
+            y32 = y32 * tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.load(fs_ptr))
+        tl.store(y_ptr + e, _cast_out(y32, X_KIND), mask=emask)
+        if OUTPUT:
+            xp, m1, m2 = _x_prime(x_ptr, m1_ptr, m2_ptr, e, emask, eta, a, oma, X_KIND, COMP)
+            yf = _as_f32_of_out(y32, X_KIND)
+            u = xp - tl.math.div_rn(yf, tl.full(yf.shape, PF, tl.float32))   # x' - y/P
+            _update(m1_ptr, m2_ptr, e, emask, m1, m2, u, b1, omb1, b2, omb2)
 
 
 # ----------------------------------------------------------------------------- stage kernels
@@ -293,14 +312,14 @@ def entry_kernel(x_ptr, m1_ptr, m2_ptr, fs_ptr, epoch_ptr, table_ptr,
                  n, seg, groups, slot, scale_off, zero_off, flags_off, tiles,
                  eta, a, oma, b1, omb1, b2, omb2,
                  RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr, BG: tl.constexpr,
-                 GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
+                 SG: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
                  LEVELS: tl.constexpr, QMAX: tl.constexpr, COMP: tl.constexpr,
                  SCALED: tl.constexpr, LOCAL: tl.constexpr):
     """grid (tiles, P-1): program (t, i) pushes tile t of segment RANK+1+i (mod P)."""
     j = (RANK + 1 + tl.program_id(1)) % P                 # destination owner, never RANK
     _entry_tile(tl.program_id(0), j, tl.load(epoch_ptr), x_ptr, m1_ptr, m2_ptr, fs_ptr,
                 table_ptr, n, seg, groups, slot, scale_off, zero_off, flags_off, tiles,
-                eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, GS, BITS, QUANT, LEVELS,
+                eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, BITS, QUANT, LEVELS,
                 QMAX, COMP, SCALED, LOCAL)
 
 
@@ -309,13 +328,13 @@ def reduce_kernel(x_ptr, m1_ptr, m2_ptr, fs_ptr, epoch_ptr, table_ptr,
                   n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
                   eta, a, oma, b1, omb1, b2, omb2,
                   RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr, BG: tl.constexpr,
-                  GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
+                  SG: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
                   LEVELS: tl.constexpr, QMAX: tl.constexpr, COMP: tl.constexpr,
                   SCALED: tl.constexpr, LOCAL: tl.constexpr, USE_TIMER: tl.constexpr):
     """grid (tiles,): program t reduces tile t of the own segment."""
     _reduce_tile(tl.program_id(0), tl.load(epoch_ptr), x_ptr, m1_ptr, m2_ptr, fs_ptr,
                  table_ptr, n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
-                 eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, GS, BITS, QUANT, LEVELS,
+                 eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, BITS, QUANT, LEVELS,
                  QMAX, COMP, SCALED, LOCAL, USE_TIMER)
 
 
@@ -324,7 +343,7 @@ def tail_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, epoch_ptr, table_ptr,
                 n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
                 eta, a, oma, b1, omb1, b2, omb2,
                 RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr, BG: tl.constexpr,
-                GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
+                SG: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
                 QMAX: tl.constexpr, PF: tl.constexpr, COMP: tl.constexpr,
                 SCALED: tl.constexpr,
                 OUTPUT: tl.constexpr, USE_TIMER: tl.constexpr):
@@ -332,7 +351,7 @@ def tail_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, epoch_ptr, table_ptr,
     j = (RANK + tl.program_id(1)) % P
     _tail_tile(tl.program_id(0), j, tl.load(epoch_ptr), x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr,
                table_ptr, n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
-               eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, GS, BITS, QUANT, QMAX, PF,
+               eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, BITS, QUANT, QMAX, PF,
                COMP, SCALED, OUTPUT, USE_TIMER)
 
 
@@ -341,7 +360,7 @@ def fused_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, epochs_ptr, table_ptr,
                  n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
                  eta, a, oma, b1, omb1, b2, omb2,
                  RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr, BG: tl.constexpr,
-                 GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
+                 SG: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
                  LEVELS: tl.constexpr, QMAX: tl.constexpr, PF: tl.constexpr,
                  COMP: tl.constexpr, SCALED: tl.constexpr, LOCAL: tl.constexpr,
                  OUTPUT: tl.constexpr, USE_TIMER: tl.constexpr):
@@ -370,14 +389,14 @@ def fused_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, epochs_ptr, table_ptr,
         for i in tl.static_range(P - 1):
             _entry_tile(t, (RANK + 1 + i) % P, ep, x_ptr, m1_ptr, m2_ptr, fs_ptr,
                         table_ptr, n, seg, groups, slot, scale_off, zero_off, flags_off,
-                        tiles, eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, GS,
+                        tiles, eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS,
                         BITS, QUANT, LEVELS, QMAX, COMP, SCALED, LOCAL)
         t += G
     t = c
     while t < tiles:
         _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, fs_ptr, table_ptr,
                      n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
-                     eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, GS, BITS, QUANT,
+                     eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, BITS, QUANT,
                      LEVELS, QMAX, COMP, SCALED, LOCAL, USE_TIMER)
         t += G
     t = c
@@ -386,7 +405,7 @@ def fused_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, epochs_ptr, table_ptr,
             _tail_tile(t, (RANK + i) % P, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr,
                        table_ptr, n, seg, groups, slot, scale_off, zero_off, flags_off,
                        tiles, timeout, eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND,
-                       BG, GS, BITS, QUANT, QMAX, PF, COMP, SCALED, OUTPUT, USE_TIMER)
+                       BG, SG, GS, BITS, QUANT, QMAX, PF, COMP, SCALED, OUTPUT, USE_TIMER)
         t += G
     tl.debug_barrier()
     tl.store(epochs_ptr + c, ep)
@@ -493,7 +512,7 @@ _FAST_OK = envs.fast_launch() and not getattr(knobs.runtime, "interpret", False)
 
 @functools.lru_cache(maxsize=1024)
 def _static_args(lay: Layout, cfg: EchoConfig, rank: int, dtype: torch.dtype, comp: bool,
-                 scaled: bool) -> tuple:
+                 scaled: bool, step_elems: int = STEP_ELEMS) -> tuple:
     """The launch arguments fixed by (layout, config, rank, dtype): built once, not per call.
     -> (layout scalars, compensator constants, constexprs common to the kernels, extra
     constexprs by kernel name)."""
@@ -502,7 +521,11 @@ def _static_args(lay: Layout, cfg: EchoConfig, rank: int, dtype: torch.dtype, co
     scal = (lay.seg, lay.groups, lay.slot, lay.scale_off, lay.zero_off, lay.flags_off, lay.tiles)
     consts = (k.eta, k.a, k.one_minus_a, k.beta1, k.one_minus_beta1, k.beta2, k.one_minus_beta2)
     ce = spec_constexprs(spec)
-    meta = dict(RANK=rank, P=lay.world_size, X_KIND=DTYPE_KIND[dtype], BG=lay.bg,
+    sg = min(lay.bg, max(1, step_elems // spec.group_size))
+    if sg & (sg - 1):
+        raise ValueError(f"step_elems {step_elems} / group_size {spec.group_size} must be a "
+                         "power of two")
+    meta = dict(RANK=rank, P=lay.world_size, X_KIND=DTYPE_KIND[dtype], BG=lay.bg, SG=sg,
                 GS=ce["GS"], BITS=ce["BITS"], QUANT=ce["QUANT"])
     local = comp and cfg.residual == "local"
     output = comp and cfg.residual == "output"
@@ -537,12 +560,14 @@ class CallPlan:
     timeout: int
     use_timer: bool
     num_warps: int = 4
+    step_elems: int = STEP_ELEMS  # values per step of a tile (registers); see STEP_ELEMS
 
     @functools.cached_property
     def _parts(self):
         st = self.state
         scal, consts, meta, per = _static_args(self.lay, self.cfg, self.rank, self.x.dtype,
-                                               st is not None, self.fs is not None)
+                                               st is not None, self.fs is not None,
+                                               self.step_elems)
         x = self.x
         ptrs = (x, st.m1, st.m2) if st is not None else (x, x, x)
         return ptrs, (x.numel(), *scal), consts, meta, per

@@ -6,12 +6,16 @@ with their host wrappers `encode` / `decode` are the standalone form, tested aga
 quant.encode / quant.decode on fresh random inputs (tests/test_kernels.py).
 
 Exactness rules every helper follows (quant.py's docstring is the authority):
-  * one fp32 rounding per operation: kernels launch with enable_fp_fusion=False (no FMA);
-    tensor/tensor divisions use tl.math.div_rn (IEEE), never Triton's approximate `/`;
+  * one fp32 rounding per operation: kernels launch with enable_fp_fusion=False (no FMA
+    contraction; the only FMAs are the explicit ones of the division's fast path, which is
+    what the GPU's own div.rn runs); tensor/tensor divisions are IEEE (tl.math.div_rn, or
+    _div_by_scale), never Triton's approximate `/`;
   * rint is round-half-to-even, computed with the 2^23 trick (exact for |v| < 2^23; larger
     values are integers already), because libdevice is unavailable under TRITON_INTERPRET;
-  * fp32 -> bf16 / bf16 -> fp32 use integer bit operations (RNE), because the interpreter
-    truncates instead of rounding; fp16 conversions use tl's RNE casts;
+    codes are clipped first, then rounded by one add of 1.5*2^23 (see _codes);
+  * fp32 -> bf16 rounds to nearest even (the conversion instruction when compiled; integer bit
+    operations under the interpreter, which truncates); bf16 -> fp32 by a shift; fp16
+    conversions use tl's RNE casts;
   * negation is `v * -1.0` (Triton's unary minus is `0 - v`, which loses the sign of zero);
   * NaN/Inf groups: scale and zero are the canonical fp16 NaN 0x7E00 (torch's NaN bit pattern
     depends on the device and the input NaN; only NaN-ness is part of the contract), codes 0.
@@ -25,6 +29,7 @@ import struct
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
 
 from ..config import QuantSpec
 from ..quant import Packet
@@ -35,6 +40,15 @@ KIND_F32, KIND_F16, KIND_BF16 = 0, 1, 2
 DTYPE_KIND = {torch.float32: KIND_F32, torch.float16: KIND_F16, torch.bfloat16: KIND_BF16}
 LAUNCH_OPTS = dict(enable_fp_fusion=False)
 """Every kernel of this package launches with these options (no FMA contraction)."""
+
+HW_FORMS = tl.constexpr(not getattr(knobs.runtime, "interpret", False))
+"""Compiled kernels round fp32 -> bf16 with the conversion instruction, divide by a group scale
+with the fast path of the GPU's IEEE division (3 FMAs a value instead of ~10 instructions) and
+find a group's min, max and finiteness in two NaN-propagating reductions; the interpreter (CI
+on the CPU) has no inline PTX, truncates fp32 -> bf16 and runs custom reductions element by
+element in Python, so it computes the same bits the arithmetic way. Every helper that branches
+on HW_FORMS gives identical results both ways: tests/test_kernels.py checks the interpreter
+forms, tests/test_kernels_gpu.py the compiled ones, each against torch."""
 
 
 def f32(v: float) -> float:
@@ -61,6 +75,39 @@ def _rint(v):
 
 
 @triton.jit
+def _div_by_scale(x, sf):
+    """x [BG, GS] / sf [BG] (sf a positive normal fp16 value as fp32), IEEE round to nearest.
+
+    Compiled: the instruction sequence the GPU's own `div.rn.f32` runs on its fast path, with
+    the reciprocal refined once per group instead of once per value (3 FMAs per value instead of
+    ~10 instructions). That path (rcp.approx, one Newton step, q0 = a*y, one correction) is what
+    div.rn returns whenever its range check (FCHK) passes; the check can only fail where the
+    quotient is subnormal, zero, or has |a| near the fp32 limits, and there the code
+    round(x/s + z), clipped, is the same either way (|quotient| < 2^-100 or clipped).
+    tests/test_p2p_gpu.py checks it against torch's division for every positive normal fp16 s."""
+    if HW_FORMS:
+        r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [sf],
+                                      dtype=tl.float32, is_pure=True, pack=1)
+        nb = sf * -1.0
+        y = tl.fma(r, tl.fma(nb, r, 1.0), r)[:, None]    # refined 1/s  [BG, 1]
+        q0 = tl.fma(x, y, 0.0)
+        v = tl.fma(y, tl.fma(nb[:, None], q0, x), q0)
+    else:
+        v = tl.math.div_rn(x, sf[:, None])
+    return v
+
+
+@triton.jit
+def _min_nan(a, b):
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _div(a, DEN: tl.constexpr):
     """a / DEN, IEEE round-to-nearest (torch's tensor / 0-dim tensor on any device)."""
     return tl.math.div_rn(a, tl.full(a.shape, DEN, tl.float32))
@@ -81,10 +128,13 @@ def _load_f32(ptr, mask, X_KIND: tl.constexpr):
 def _cast_out(v, X_KIND: tl.constexpr):
     """fp32 -> the output dtype, round to nearest even (bf16 by bit arithmetic)."""
     if X_KIND == 2:
-        b = v.to(tl.uint32, bitcast=True)
-        r = (b + (0x7FFF + ((b >> 16) & 1))) >> 16
-        r = tl.where(v != v, 0x7FC0, r)
-        out = r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        if HW_FORMS:
+            out = v.to(tl.bfloat16)               # cvt.rn.bf16.f32
+        else:
+            b = v.to(tl.uint32, bitcast=True)
+            r = (b + (0x7FFF + ((b >> 16) & 1))) >> 16
+            r = tl.where(v != v, 0x7FC0, r)
+            out = r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     elif X_KIND == 1:
         out = v.to(tl.float16)
     else:
@@ -103,9 +153,14 @@ def _group_params(x, QUANT: tl.constexpr, LEVELS: tl.constexpr, QMAX: tl.constex
 ):
     """x fp32 [BG, GS] -> (s16 [BG] fp16, sf [BG] fp32, z16 [BG] fp16, zf [BG] fp32,
     finite [BG] bool, d [BG]); the zero outputs are unused for the symmetric policy."""
-    finite = tl.min((tl.abs(x) <= 3.4028234663852886e38).to(tl.int32), axis=1) > 0
-    lo = tl.min(x, axis=1)
-    hi = tl.max(x, axis=1)
+    if HW_FORMS:                                         # NaN in the group -> lo, hi NaN
+        lo = tl.reduce(x, 1, _min_nan)
+        hi = tl.reduce(x, 1, _max_nan)
+        finite = (lo >= -3.4028234663852886e38) & (hi <= 3.4028234663852886e38)
+    else:   # the interpreter runs custom reductions element by element in Python: 3 builtins
+        finite = tl.min((tl.abs(x) <= 3.4028234663852886e38).to(tl.int32), axis=1) > 0
+        lo = tl.min(x, axis=1)
+        hi = tl.max(x, axis=1)
     d = tl.maximum(tl.maximum(lo, hi * -1.0), 0.0)    # distance from 0 to [lo, hi]
     if QUANT == 2:
         amax = tl.maximum(tl.abs(lo), tl.abs(hi))
@@ -140,20 +195,32 @@ def _group_params(x, QUANT: tl.constexpr, LEVELS: tl.constexpr, QMAX: tl.constex
 
 @triton.jit
 def _codes(x, sf, zf, finite, QUANT: tl.constexpr, LEVELS: tl.constexpr, QMAX: tl.constexpr):
-    """x fp32 [BG, GS] with fp32 params [BG] -> codes uint8 [BG, GS] (0 in non-finite groups)."""
-    v = tl.math.div_rn(x, sf[:, None])
+    """x fp32 [BG, GS] with fp32 params [BG] -> codes uint8 [BG, GS] (0 in non-finite groups).
+
+    Unfused form (quant.py): q = clip(round(x/s + z), 0, L), or clip(round(x/s), -Q, Q) + Q+1.
+    Clipping to integer bounds commutes with rounding, so the value is clipped first; then one
+    add of K = 1.5*2^23 (+ Q+1, K even) rounds it half-to-even (the sum's ulp is 1) and leaves
+    the code in the low mantissa bits: no float -> int conversion instruction."""
+    v = _div_by_scale(x, sf)
     if QUANT == 2:
-        q = tl.minimum(tl.maximum(_rint(v), QMAX * -1.0), QMAX) + (QMAX + 1.0)
+        t = tl.minimum(tl.maximum(v, QMAX * -1.0), QMAX) + (12582912.0 + QMAX + 1.0)
     else:
-        q = tl.minimum(tl.maximum(_rint(v + zf[:, None]), 0.0), LEVELS)
-    q = tl.where(finite[:, None], q, 0.0)
+        t = tl.minimum(tl.maximum(v + zf[:, None], 0.0), LEVELS) + 12582912.0
+    q = t.to(tl.int32, bitcast=True) - 0x4B400000          # bits of 1.5*2^23
+    q = tl.where(finite[:, None], q, 0)
     return q.to(tl.uint8)
+
+
+@triton.jit
+def _code_f32(q):
+    """uint8 codes -> their fp32 values (exact: 2^23 + q has ulp 1; no int -> float convert)."""
+    return (q.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
 
 @triton.jit
 def _dequant(q, sf, zf, QUANT: tl.constexpr, QMAX: tl.constexpr):
     """codes uint8 [BG, GS], fp32 params [BG] -> fp32 [BG, GS]: s * (q - z)."""
-    qf = q.to(tl.float32)
+    qf = _code_f32(q)
     if QUANT == 2:
         out = sf[:, None] * (qf - (QMAX + 1.0))
     else:

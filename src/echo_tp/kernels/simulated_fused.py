@@ -12,7 +12,7 @@ import torch
 
 from ..compensator import CompState
 from ..config import EchoConfig, QuantSpec
-from .allreduce_kernels import TILE_ELEMS, CallPlan, Layout, local_amax
+from .allreduce_kernels import STEP_ELEMS, TILE_ELEMS, CallPlan, Layout, local_amax
 from .flags import describe_error, new_error_buffer
 
 
@@ -22,9 +22,11 @@ class SimulatedFused:
     the state (CompState with m1, m2 [P, N]) is updated in place. Buffers, flags and epochs
     persist across calls, as on GPUs."""
 
-    def __init__(self, world_size: int, tile_elems: int = TILE_ELEMS, timeout_polls: int = 1000):
+    def __init__(self, world_size: int, tile_elems: int = TILE_ELEMS, timeout_polls: int = 1000,
+                 step_elems: int = STEP_ELEMS):
         self.world_size = world_size
         self.tile_elems = tile_elems
+        self.step_elems = step_elems
         self.timeout = timeout_polls
         self._ws: dict = {}
 
@@ -66,7 +68,8 @@ class SimulatedFused:
                                   state=_rank_state(state, r),
                                   fs=None if fs is None else fs[r].contiguous(),
                                   epoch=ws["epochs"][r], table=ws["tables"][r],
-                                  timeout=self.timeout, use_timer=False))
+                                  timeout=self.timeout, use_timer=False,
+                                  step_elems=self.step_elems))
         for stage in stages:
             for r in range(P):
                 if stage == "tail":

@@ -1,0 +1,140 @@
+"""Per-stage cost of the p2p kernels on ONE GPU, without the link: the compute + HBM floor.
+
+P simulated ranks live on one GPU (kernels/simulated_fused.py layout: P byte buffers, real
+flags). One full call sets every flag; then each stage kernel of rank 0 is re-launched alone
+(its waits pass at once: the flags already hold the epoch) and timed with CUDA events, median
+of --reps. Values per second are per stage (entry: (P-1)/P n values, reduce: n/P, tail: n).
+Compare with the all-reduce benchmark's times on P GPUs to see how far the link and the
+stage serialization add on top.
+
+    python benchmarks/stage_profile.py --out $OUT [--numel 67108864] [--label new]
+
+Run it twice with PYTHONPATH pointing at two source trees to compare kernel versions in one
+device call (the JSON rows carry --label).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+CONFIGS = {
+    # name: (bits, residual or None, state dtype, compact)
+    "u4": (4, None, "float32", False),
+    "u8": (8, None, "float32", False),
+    "c4-loc-f32": (4, "local", "float32", False),
+    "c4-loc-bf16c": (4, "local", "bfloat16", True),
+    "c4-out-f32": (4, "output", "float32", False),
+}
+
+
+def _timer(dev: str):
+    """() -> stop(): milliseconds of the work queued in between (CUDA events, or wall time)."""
+    if dev == "cpu":
+        t0 = time.perf_counter()
+        return lambda: (time.perf_counter() - t0) * 1e3
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+
+    def stop():
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b)
+    return stop
+
+
+def stage_times(P: int, n: int, name: str, tile: int, warps: int, reps: int,
+                dev: str = "cuda", step: int | None = None) -> dict:
+    from echo_tp.compensator import CompState
+    from echo_tp.config import EchoConfig
+    from echo_tp.kernels.allreduce_kernels import CallPlan
+    from echo_tp.kernels.simulated_fused import SimulatedFused
+    bits, resid, sdt, compact = CONFIGS[name]
+    betas = dict(beta1=0.5, beta2=0.5) if compact else {}
+    cfg = EchoConfig(bits=bits, eta=1.0 if resid else 0.0, residual=resid or "local",
+                     state_dtype=sdt, **betas)
+    sim = SimulatedFused(P, tile_elems=tile, timeout_polls=10**7)
+    x = torch.randn(P, n, device=dev, dtype=torch.bfloat16)
+    st = CompState.zeros((P, n), dev, getattr(torch, sdt), compact=compact) \
+        if cfg.compensated else None
+    ws = sim.workspace(n, cfg.quant_spec(), x.device)
+    y = torch.empty_like(x)
+    plans = []
+    for r in range(P):
+        ws["epochs"][r].add_(1)
+        rs = None if st is None else CompState(st.m1[r], st.m2[r])
+        plans.append(CallPlan(rank=r, lay=ws["lay"], cfg=cfg, x=x[r], state=rs, fs=None,
+                              epoch=ws["epochs"][r], table=ws["tables"][r],
+                              timeout=10**7, use_timer=False, num_warps=warps,
+                              step_elems=step or tile))
+    for stage in ("entry", "reduce", "tail"):                 # sets every flag (and JITs)
+        for p in plans:
+            p.tail(y[p.rank]) if stage == "tail" else getattr(p, stage)()
+    if dev != "cpu":
+        torch.cuda.synchronize()
+    out = {"P": P, "numel": n, "config": name, "tile": tile, "warps": warps,
+           "step": step or tile}
+    share = {"entry": n * (P - 1) / P, "reduce": n / P, "tail": n}
+    for stage in ("entry", "reduce", "tail"):
+        run = (lambda: plans[0].tail(y[0])) if stage == "tail" else getattr(plans[0], stage)
+        times = []
+        for _ in range(reps):
+            stop = _timer(dev)
+            run()
+            times.append(stop())
+        ms = statistics.median(times)
+        out[f"{stage}_ms"] = round(ms, 4)
+        out[f"{stage}_Gval_s"] = round(share[stage] / ms / 1e6, 1)
+    out["sum_ms"] = round(out["entry_ms"] + out["reduce_ms"] + out["tail_ms"], 4)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="out")
+    ap.add_argument("--label", default="current")
+    ap.add_argument("--numel", type=int, default=64 << 20, help="values per rank")
+    ap.add_argument("--worlds", default="2,4")
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--shapes", default="1024x4,2048x4,2048x8,4096x4",
+                    help="TILExWARPS[sSTEP] (values per tile x warps, values per step)")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--budget-s", type=float, default=240)
+    ap.add_argument("--device", default="cuda", help="'cpu': a dry run under TRITON_INTERPRET")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    t_end = time.time() + args.budget_s
+    rows = []
+    for P in map(int, args.worlds.split(",")):
+        for name in args.configs.split(","):
+            for shape in args.shapes.split(","):
+                if time.time() > t_end:
+                    print("budget spent; stopping", flush=True)
+                    break
+                tile, rest = shape.split("x")
+                warps, _, step = rest.partition("s")
+                tile, warps, step = int(tile), int(warps), int(step or tile)
+                try:
+                    row = stage_times(P, args.numel, name, tile, warps, args.reps, args.device,
+                                      step)
+                except Exception as e:   # one failing variant must not lose the others
+                    row = {"P": P, "config": name, "tile": tile, "warps": warps,
+                           "error": f"{type(e).__name__}: {e}"[:300]}
+                row["label"] = args.label
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                if args.device != "cpu":
+                    torch.cuda.empty_cache()
+    name = torch.cuda.get_device_name() if args.device != "cpu" else "cpu (interpreter)"
+    with open(os.path.join(args.out, f"stages-{args.label}.json"), "w") as f:
+        json.dump({"device": name, "torch": torch.__version__,
+                   "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

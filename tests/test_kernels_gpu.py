@@ -1,0 +1,150 @@
+"""The compiled kernels' hardware forms against torch on one GPU (skipped without CUDA).
+
+Compiled kernels divide by a group scale with the fast path of the GPU's own IEEE division and
+round fp32 -> bf16 with the conversion instruction (quant_kernels.HW_FORMS); the CPU tests
+(tests/test_kernels.py, TRITON_INTERPRET=1) run the arithmetic forms instead. These tests hold
+the compiled forms to torch's reference on fresh random inputs:
+  * _div_by_scale against torch's tensor / tensor division (IEEE on CUDA) for EVERY positive
+    fp16 scale, with dividends spread over the whole fp32 range;
+  * Triton encode/decode against quant.py (torch) on CUDA, adversarial groups included;
+  * SimulatedFused (every stage kernel, P ranks on one GPU) against compensated_all_reduce with
+    the torch quantizer (ECHO_TORCH_QUANT=1), y and the compensator state bit for bit.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _bad(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """Bitwise mismatches (NaN matches NaN)."""
+    gn, wn = got.isnan(), want.isnan()
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[got.element_size()]
+    if not got.is_floating_point():
+        return got != want
+    return (gn != wn) | (~gn & ~wn & (got.view(ints) != want.view(ints)))
+
+
+def _all_fp16_scales() -> torch.Tensor:
+    """Every positive finite fp16 value (subnormals included) as fp32 [31743]."""
+    bits = torch.arange(1, 0x7C00, dtype=torch.int32).to(torch.int16)
+    return bits.view(torch.float16).float()
+
+
+def test_fast_division_is_ieee_division_for_every_fp16_scale():
+    import triton
+    import triton.language as tl
+
+    from echo_tp.kernels.quant_kernels import LAUNCH_OPTS, _div_by_scale
+
+    @triton.jit
+    def div_kernel(x_ptr, s_ptr, out_ptr, BG: tl.constexpr, GS: tl.constexpr):
+        grp = tl.program_id(0) * BG + tl.arange(0, BG)
+        offs = grp[:, None] * GS + tl.arange(0, GS)[None, :]
+        v = _div_by_scale(tl.load(x_ptr + offs), tl.load(s_ptr + grp))
+        tl.store(out_ptr + offs, v)
+
+    s = _all_fp16_scales().cuda()
+    s = torch.cat([s, s[: (-s.numel()) % 16]])                        # whole programs
+    gen = torch.Generator(device="cuda").manual_seed(1234)
+    for trial in range(4):
+        # Dividends the quantizer can meet: |x/s| < 2^113 (s >= max(|x|/271, min(|x|, 65504)/
+        # 256) clipped to [2^-24, 65504]): random sign and mantissa, quotient exponents from
+        # -140 (subnormal dividends included) to 110, plus zeros and exact half-integers.
+        k = torch.randint(-140, 111, (s.numel(), 128), device="cuda", generator=gen)
+        x = torch.ldexp(s[:, None] * torch.randn(s.numel(), 128, device="cuda", generator=gen), k)
+        x[:, :32] = s[:, None] * torch.randn(s.numel(), 32, device="cuda", generator=gen) * 20
+        x[:, 32:40] = s[:, None] * (torch.randint(-400, 400, (s.numel(), 8), device="cuda",
+                                                  generator=gen) + 0.5)
+        x[:, 40] = 0.0
+        x[:, 41] = -0.0
+        out = torch.empty_like(x)
+        div_kernel[(s.numel() // 16,)](x, s, out, BG=16, GS=128, **LAUNCH_OPTS)
+        want = x / s[:, None]                                         # IEEE division on CUDA
+        assert not out.isnan().any() and not out.isinf().any()
+        # Bit-exact wherever the code round(v + z), clipped, can depend on the last bit;
+        # below 2^-100 or above 2^100 the clipped code is the same for any nearby value.
+        mid = (want.abs() >= 2.0 ** -100) & (want.abs() <= 2.0 ** 100)
+        bad = _bad(out, want) & mid
+        assert not bad.any(), (trial, out[bad][:5], want[bad][:5])
+        assert ((out - want).abs()[want.abs() < 2.0 ** -100] < 2.0 ** -90).all()
+        big = want.abs() > 2.0 ** 100
+        assert (out[big].sign() == want[big].sign()).all() and (out[big].abs() > 2.0 ** 99).all()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_encode_decode_match_torch_reference_on_gpu(dtype):
+    from echo_tp import quant
+    from echo_tp.config import QuantSpec
+    from echo_tp.kernels import quant_kernels as qk
+    gen = torch.Generator().manual_seed(7)
+    for bits in (4, 8):
+        for qz in ("zero_aware", "naive", "symmetric"):
+            spec = QuantSpec(bits=bits, group_size=128, quantizer=qz)
+            groups = 6007
+            x = torch.randn(groups, 128, generator=gen) \
+                * torch.exp(torch.randn(groups, 1, generator=gen) * 4)
+            kind = torch.randint(0, 10, (groups,), generator=gen)
+            x[kind == 1] = x[kind == 1][:, :1]                             # constant groups
+            x[kind == 2] = 0.0
+            x[kind == 3] = x[kind == 3] * 1e-2 + 1e4                       # far from zero
+            x[kind == 4] *= 1e-33
+            x[kind == 5] = torch.randint(-8, 9, (int((kind == 5).sum()), 128),
+                                         generator=gen).float()
+            x[kind == 6, 5] = float("nan")
+            x[kind == 7, 9] = float("inf")
+            x = x.reshape(-1).to(getattr(torch, dtype)).cuda()
+            got, want = qk.encode(x, spec), quant.encode(x, spec)
+            assert not _bad(got.codes, want.codes).any(), (bits, qz, "codes")
+            assert not _bad(got.scale, want.scale).any(), (bits, qz, "scale")
+            if spec.has_zero:
+                assert not _bad(got.zero, want.zero).any(), (bits, qz, "zero")
+            assert not _bad(qk.decode(got, spec), quant.decode(want, spec)).any(), (bits, qz)
+
+
+# (P, bits, quantizer, residual, dtype, backward, state dtype, compact)
+FUSED = [
+    (4, 4, "zero_aware", "output", "bfloat16", False, "float32", False),
+    (4, 4, "zero_aware", "local", "bfloat16", False, "float32", False),
+    (2, 4, "zero_aware", "local", "bfloat16", False, "bfloat16", True),
+    (2, 4, "naive", "output", "bfloat16", True, "bfloat16", False),
+    (4, 8, "symmetric", "local", "float16", False, "float32", False),
+    (3, 4, "symmetric", "output", "float32", True, "float32", False),
+    (2, 8, "zero_aware", "local", "float16", True, "bfloat16", True),
+]
+
+
+@pytest.mark.parametrize("case", FUSED, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("tile", [1024, 2048])
+def test_simulated_fused_matches_torch_reference_on_gpu(case, tile, monkeypatch):
+    from echo_tp.collective.qar import compensated_all_reduce
+    from echo_tp.collective.simulated import SimTransport
+    from echo_tp.compensator import CompState
+    from echo_tp.config import EchoConfig
+    from echo_tp.kernels.simulated_fused import SimulatedFused
+    monkeypatch.setenv("ECHO_TORCH_QUANT", "1")          # the reference quantizes with quant.py
+    P, bits, qz, resid, dtype, backward, sdt, compact = case
+    betas = dict(beta1=0.5, beta2=0.5) if compact else {}
+    cfg = EchoConfig(bits=bits, quantizer=qz, residual=resid, state_dtype=sdt, **betas)
+    n = 300_017
+    sdtype = getattr(torch, sdt)
+    st = CompState.zeros((P, n), "cuda", sdtype, compact=compact)
+    st_r = CompState.zeros((P, n), "cuda", sdtype, compact=compact)
+    sim = SimulatedFused(P, tile_elems=tile, timeout_polls=10**7)
+    gen = torch.Generator(device="cuda").manual_seed(hash(case) % 1000 + tile)
+    for call in range(3):
+        x = torch.randn(P, n, device="cuda", generator=gen)
+        x *= torch.exp(torch.randn(P, n // 128 + 1, device="cuda", generator=gen) * 2) \
+            .repeat_interleave(128, dim=1)[:, :n]
+        x[:, 7::501] *= 30.0
+        x[:, 1024:1152] = 0.0
+        if backward:
+            x *= 1e-7
+        x = x.to(getattr(torch, dtype))
+        y_r, _ = compensated_all_reduce(x, cfg, SimTransport(P), state=st_r, backward=backward)
+        y = sim(x, cfg, state=st, backward=backward)
+        assert not _bad(y, y_r).any(), (call, "y", int(_bad(y, y_r).sum()))
+        assert not _bad(st.m1, st_r.m1).any(), (call, "m1")
+        assert not _bad(st.m2, st_r.m2).any(), (call, "m2")
