@@ -14,6 +14,11 @@ CUDA graph, small sizes), auto4 / auto4c (EchoCommunicator with backend='auto', 
 uncompensated / compensated (local; -bf16-single: one bf16 state tensor), in place like nccl16: what a TP layer gets, the dispatch
 picking one-shot, p2p or the plain bf16 all-reduce per size). Bus
 bandwidth uses bf16-equivalent bytes: 2 (P-1)/P * bytes / time (the nccl-tests convention).
+Suffixes: '@...' a p2p launch shape (ppsK, wK, tK, sK; d0 = output-residual update inside the
+call instead of deferred to a side stream); '+mm' each call preceded by a bf16 matmul with an
+output of the message's size, the matmul's own time subtracted (the paper's timing of the fused
+output residual, whose deferred update runs beside that matmul); +mm rows compare with
+nccl16+mm.
 Writes allreduce_P{P}.json and allreduce_P{P}.md to --out.
 """
 from __future__ import annotations
@@ -193,11 +198,13 @@ def bench_worker(rank: int, world: int, sizes=SIZES, methods=METHODS, iters: int
         n = nbytes // 2
         gen = torch.Generator(device="cuda").manual_seed(rank + 1)
         x = (torch.randn(n, generator=gen, device="cuda") * 1e-3).to(torch.bfloat16)
-        for method in methods:
+        mm_alone: list = []                          # the matmul's own time at this size
+        for full in methods:
+            method = full.removesuffix("+mm")         # '+mm': after a matmul, matmul subtracted
             flag = torch.tensor([time.time() > deadline if deadline else False],
                                 device="cuda", dtype=torch.int32)
             dist.all_reduce(flag)                     # all ranks skip together
-            if flag.item() or method in broken:
+            if flag.item() or full in broken:
                 continue
             state = None
             if method == "p2p4-graph" and nbytes > GRAPH_MAX_BYTES:
@@ -256,9 +263,11 @@ def bench_worker(rank: int, world: int, sizes=SIZES, methods=METHODS, iters: int
                             import re
                             kw = dict(p2p_kwargs,
                                       fused=False if base.endswith("-staged") else None)
-                            for k, v in re.findall(r"(pps|w|t|s)(\d+)", variant):
+                            for k, v in re.findall(r"(pps|w|t|s|d)(\d+)", variant):
                                 if k == "pps":
                                     kw.update(programs_per_sm=int(v), fused=True)
+                                elif k == "d":            # d0: output-residual update inline
+                                    kw["defer_output"] = bool(int(v))
                                 else:
                                     kw[{"w": "num_warps", "t": "tile_elems",
                                         "s": "step_elems"}[k]] = int(v)
@@ -274,13 +283,18 @@ def bench_worker(rank: int, world: int, sizes=SIZES, methods=METHODS, iters: int
                         if comp else None
                     fn = lambda: be.run(x, cfg, state=state, backward=False,  # noqa: E731
                                         record=False)
+                if full.endswith("+mm"):
+                    fn = _after_matmul(fn, n, mm_alone, iters, warmup)
                 fn()
                 torch.cuda.synchronize()
             except Exception:  # noqa: BLE001 - report it, keep the other methods
                 err = traceback.format_exc()[-1500:]
             if agree(err):
                 try:
-                    row = {"bytes": nbytes, "method": method, "ms": _time(fn, iters, warmup)}
+                    row = {"bytes": nbytes, "method": full, "ms": _time(fn, iters, warmup)}
+                    if full.endswith("+mm"):
+                        row["ms"] -= mm_alone[0]
+                        row["matmul_ms"] = mm_alone[0]
                     if method in autos:
                         row["backend"] = autos[method].dispatcher.last_backend
                     if stages and staged is not None and method in STAGE_METHODS \
@@ -290,8 +304,8 @@ def bench_worker(rank: int, world: int, sizes=SIZES, methods=METHODS, iters: int
                 except Exception:  # noqa: BLE001
                     err = traceback.format_exc()[-1500:]
             if not agree(err):
-                broken.add(method)
-                row = {"bytes": nbytes, "method": method,
+                broken.add(full)
+                row = {"bytes": nbytes, "method": full,
                        "error": err or "failed on another rank"}
             rows.append(row)
             if rank == 0 or "error" in row:
@@ -308,6 +322,27 @@ def bench_worker(rank: int, world: int, sizes=SIZES, methods=METHODS, iters: int
                          "error": traceback.format_exc()[-1500:]})
         be.close()
     return rows
+
+
+def _after_matmul(fn, n: int, mm_alone: list, iters: int, warmup: int):
+    """fn preceded by a bf16 matmul whose output has ~n values ([n/4096, 4096] x [4096, 4096],
+    the shape of a TP block's next projection): the paper's way to time an all-reduce whose
+    compensator update runs beside the next matmul. mm_alone[0] gets the matmul's own median
+    (measured once per size), which the caller subtracts."""
+    rows = max(1, n // 4096)
+    a = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) * 0.02
+    out = torch.empty(rows, 4096, device="cuda", dtype=torch.bfloat16)
+
+    def mm():
+        torch.mm(a, w, out=out)
+    if not mm_alone:
+        mm_alone.append(_time(mm, iters, warmup))
+
+    def both():
+        mm()
+        fn()
+    return both
 
 
 def summarize(per_rank: list[list[dict]], world: int) -> list[dict]:
@@ -327,7 +362,7 @@ def summarize(per_rank: list[list[dict]], world: int) -> list[dict]:
                 stages.setdefault(key, {})[k] = max(stages.get(key, {}).get(k, 0.0), v)
     out = []
     for (nbytes, method), ms in sorted(table.items()):
-        base = table.get((nbytes, "nccl16"))
+        base = table.get((nbytes, "nccl16+mm" if method.endswith("+mm") else "nccl16"))
         row = {"bytes": nbytes, "method": method, "ms": ms,
                "speedup": base / ms if base else None,
                "busbw_GBps": 2 * (world - 1) / world * nbytes / (ms * 1e-3) / 1e9}

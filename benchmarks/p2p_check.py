@@ -87,13 +87,13 @@ def phase_compile(args) -> dict:
     for bits, local, comp in ((4, False, True), (4, True, True), (8, False, True),
                               (4, False, False)):
         ce = qk.spec_constexprs(QuantSpec(bits=bits))
-        common = dict(RANK=1, P=4, X_KIND=2, BG=2048 // 128, GS=128, BITS=bits,
+        common = dict(RANK=1, P=4, X_KIND=2, BG=2048 // 128, SG=2048 // 128, GS=128, BITS=bits,
                       QUANT=ce["QUANT"], QMAX=ce["QMAX"], COMP=comp, SCALED=False)
         quant = dict(LEVELS=ce["LEVELS"], LOCAL=local and comp)
         for fn, consts in ((ak.entry_kernel, dict(common, **quant)),
                            (ak.reduce_kernel, dict(common, **quant, USE_TIMER=True)),
                            (ak.tail_kernel, dict(common, PF=4.0, OUTPUT=comp and not local,
-                                                 USE_TIMER=True)),
+                                                 USE_TIMER=True, UPDATE_ONLY=False)),
                            (ak.fused_kernel, dict(common, **quant, PF=4.0,
                                                   OUTPUT=comp and not local, USE_TIMER=True))):
             sig = {a: "constexpr" if a in consts else types.get(a, "i32") for a in fn.arg_names}

@@ -86,3 +86,47 @@ def test_auto_on_cpu_is_the_reference(gloo_world, monkeypatch):
         build_dispatcher(None, "p2p")
     with pytest.raises(ValueError):
         build_dispatcher(None, "fastest")
+
+
+def test_dispatcher_orders_state_calls_after_deferred_updates():
+    """A backend that defers its compensator update (p2p, residual 'output') is waited for
+    before any call that carries state, whichever backend then takes it; stateless calls
+    don't wait."""
+    import torch
+
+    from echo_tp.collective.dispatch import Dispatcher
+    from echo_tp.config import EchoConfig
+    calls = []
+
+    class Deferring:
+        name = "deferring"
+
+        def wait_pending(self):
+            calls.append("wait")
+
+        def should_use(self, x, cfg):
+            return False
+
+        def close(self):
+            pass
+
+    class Taker:
+        name = "taker"
+
+        def should_use(self, x, cfg):
+            return True
+
+        def run(self, x, cfg, *, state, backward, record, inplace=False):
+            calls.append("run")
+            return x, None
+
+        def close(self):
+            pass
+
+    d = Dispatcher([Deferring(), Taker()], 2)
+    x, cfg = torch.zeros(4), EchoConfig(bits=4)
+    d.run(x, cfg, state=object(), backward=False, record=False)
+    assert calls == ["wait", "run"] and d.last_backend == "taker"
+    calls.clear()
+    d.run(x, cfg, state=None, backward=False, record=False)
+    assert calls == ["run"]

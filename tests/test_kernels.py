@@ -163,7 +163,7 @@ def _fused_input(P, n, dtype, seed, scale):
 
 
 def _check_fused(P, cfg, n, dtype, backward, calls, seed, state_dtype=torch.float32,
-                 compact=False, tile=256, step=ak.STEP_ELEMS):
+                 compact=False, tile=256, step=ak.STEP_ELEMS, defer_output=False):
     """SimulatedFused against compensated_all_reduce over SimTransport: y, m1, m2 bit for bit
     over `calls` consecutive calls (the state feeds back; the flags' epoch advances)."""
     sim = sf.SimulatedFused(P, tile_elems=tile, step_elems=step)
@@ -173,7 +173,7 @@ def _check_fused(P, cfg, n, dtype, backward, calls, seed, state_dtype=torch.floa
         x = _fused_input(P, n, dtype, seed=seed + call, scale=1e-6 if backward else 1.0)
         want, _ = compensated_all_reduce(x, cfg, SimTransport(P), state=ref_state,
                                          backward=backward)
-        got = sim(x, cfg, state=state, backward=backward)
+        got = sim(x, cfg, state=state, backward=backward, defer_output=defer_output)
         assert_bits_equal(got, want, f"y call={call}")
         assert_bits_equal(state.m1, ref_state.m1, f"m1 call={call}")
         assert_bits_equal(state.m2, ref_state.m2, f"m2 call={call}")
@@ -227,6 +227,23 @@ def test_fused_tile_in_steps_matches_reference(P, bits, residual, sdtype, backwa
                  state_dtype=sdtype, tile=1024, step=256)
 
 
+@pytest.mark.parametrize("P,bits,quantizer,dtype,backward,sdtype,compact",
+                         [(2, 4, "zero_aware", torch.bfloat16, True, torch.float32, False),
+                          (3, 4, "naive", torch.float16, False, torch.bfloat16, False),
+                          (4, 8, "symmetric", torch.bfloat16, False, torch.float32, False),
+                          (2, 4, "zero_aware", torch.bfloat16, False, torch.bfloat16, True)])
+def test_deferred_output_update_matches_reference(P, bits, quantizer, dtype, backward, sdtype,
+                                                  compact):
+    """Residual 'output' with the state update deferred (P2PBackend runs it on a side stream
+    after the call): tails write y only, `output_update` decodes the gather slots again and
+    updates m1, m2; same bits as the reference and as the in-tail update."""
+    betas = dict(beta1=0.5, beta2=0.5) if compact else {}
+    cfg = EchoConfig(bits=bits, quantizer=quantizer, residual="output",
+                     state_dtype="bfloat16" if sdtype == torch.bfloat16 else "float32", **betas)
+    _check_fused(P, cfg, 2500 + 31 * P, dtype, backward, calls=3, seed=1700 + P,
+                 state_dtype=sdtype, compact=compact, tile=1024, step=512, defer_output=True)
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_fused_uncompensated_and_nonfinite(bits):
     """No state (eta = 0 path) and NaN/Inf inputs: y matches, NaN lands in the same places."""
@@ -266,7 +283,8 @@ def test_missing_peer_times_out_with_rank_stage_tile():
         sim(x, EchoConfig(bits=4, eta=0.0), state=None, stages=("reduce",))
 
 
-def _concurrent_rank(rank, P, bufs, errs, xs, ys, m1s, m2s, cfg, programs, tile, step):
+def _concurrent_rank(rank, P, bufs, errs, xs, ys, m1s, m2s, cfg, programs, tile, step,
+                     defer=False):
     """One simulated rank in its own process: consecutive calls, no barrier between them.
     programs=0: the three stage kernels (host-bumped epoch); else the fused kernel with that
     many programs (per-program epochs)."""
@@ -280,10 +298,12 @@ def _concurrent_rank(rank, P, bufs, errs, xs, ys, m1s, m2s, cfg, programs, tile,
             epoch.add_(1)
         plan = ak.CallPlan(rank=rank, lay=lay, cfg=cfg, x=xs[call, rank], state=state, fs=None,
                            epoch=epoch, table=table, timeout=300_000, use_timer=False,
-                           step_elems=step)
+                           step_elems=step, defer_output=defer)
         time.sleep(0.6 if rank == call % P else 0.0)          # one rank pushes late,
         if programs:
             plan.fused(ys[call, rank], programs)
+            if defer:                # the side-stream update, before this rank's next call
+                plan.output_update()
             continue
         plan.entry()
         time.sleep(0.6 if rank == (call + 1) % P else 0.0)    # another reduces late
@@ -291,15 +311,18 @@ def _concurrent_rank(rank, P, bufs, errs, xs, ys, m1s, m2s, cfg, programs, tile,
         plan.tail(ys[call, rank])
 
 
-@pytest.mark.parametrize("P,residual,programs,tile,step",
-                         [(2, "local", 0, 256, 256), (3, "output", 0, 256, 256),
-                          (2, "output", 2, 256, 256), (3, "local", 1, 256, 256),
-                          (4, "output", 2, 256, 256), (2, "local", 2, 512, 256)])
-def test_fused_ranks_in_concurrent_processes(P, residual, programs, tile, step):
+@pytest.mark.parametrize("P,residual,programs,tile,step,defer",
+                         [(2, "local", 0, 256, 256, False), (3, "output", 0, 256, 256, False),
+                          (2, "output", 2, 256, 256, False), (3, "local", 1, 256, 256, False),
+                          (4, "output", 2, 256, 256, False), (2, "local", 2, 512, 256, False),
+                          (3, "output", 2, 512, 256, True)])
+def test_fused_ranks_in_concurrent_processes(P, residual, programs, tile, step, defer):
     """The flag protocol with real concurrency: P processes share their buffers (as symmetric
     memory would), each runs 3 calls back to back; every wait must see its peer's data and no
     rank may overwrite a slot a slower peer still reads. programs > 0: the single fused kernel,
-    each program looping over several tiles (4-5 tiles here)."""
+    each program looping over several tiles (4-5 tiles here); defer: the fused kernel leaves the
+    output-residual update to `output_update`, run by each rank after its call while the other
+    ranks may already be in their next one (its gather slots must still hold this call)."""
     import torch.multiprocessing as mp
     cfg = EchoConfig(bits=4, residual=residual)
     calls, n = 3, 1000 if not programs else 2300
@@ -314,7 +337,7 @@ def test_fused_ranks_in_concurrent_processes(P, residual, programs, tile, step):
     ys = torch.empty_like(xs).share_memory_()
     m1s, m2s = torch.zeros(P, n).share_memory_(), torch.zeros(P, n).share_memory_()
     mp.start_processes(_concurrent_rank, args=(P, bufs, errs, xs, ys, m1s, m2s, cfg, programs,
-                                               tile, step),
+                                               tile, step, defer),
                        nprocs=P, start_method="spawn")
     for r in range(P):
         assert describe_error(errs[r]) is None, describe_error(errs[r])

@@ -115,6 +115,7 @@ def exactness_worker(rank: int, world: int, cases=CASES, calls: int = 3, group=N
             x = _input(n, dtype, rank, seed=1000 * ci + call, backward=backward)
             y_r, _ = ref.run(x, cfg, state=st_r, backward=backward, record=False)
             y_p, _ = p2p.run(x, cfg, state=st_p, backward=backward, record=False)
+            p2p.wait_pending()                 # residual 'output': the side-stream update
             row["y"] += _mismatch(y_p, y_r)
             if comp:
                 row["m1"] += _mismatch(st_p.m1, st_r.m1)
@@ -160,26 +161,32 @@ def _oneshot_case(group, rank: int, world: int) -> dict:
 
 
 def _graph_case(p2p, ref, rank: int) -> dict:
-    """Capture one compensated p2p call in a CUDA graph; replay it on new inputs."""
+    """Capture one compensated p2p call in a CUDA graph; replay it on new inputs. Both
+    residuals: 'output' runs its eager warm-up with the deferred (side-stream) update and its
+    captured call with the update in the last kernel."""
     from echo_tp.compensator import CompState
     from echo_tp.config import EchoConfig
-    n, cfg = 1 << 20, EchoConfig(bits=4, residual="local")
-    st_p, st_r = CompState.zeros(n, "cuda"), CompState.zeros(n, "cuda")
-    x_static = _input(n, "bfloat16", rank, seed=77, backward=False)
-    y_r, _ = ref.run(x_static, cfg, state=st_r, backward=False, record=False)
-    y_p, _ = p2p.run(x_static, cfg, state=st_p, backward=False, record=False)   # warm-up
-    row = {"case": "cuda-graph replay x3", "y": _mismatch(y_p, y_r),
-           "m1": _mismatch(st_p.m1, st_r.m1), "m2": _mismatch(st_p.m2, st_r.m2)}
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        y_static, _ = p2p.run(x_static, cfg, state=st_p, backward=False, record=False)
-    for call in range(3):
-        x_static.copy_(_input(n, "bfloat16", rank, seed=78 + call, backward=False))
+    row = {"case": "cuda-graph replay x3, local + output", "y": 0, "m1": 0, "m2": 0}
+    for residual in ("local", "output"):
+        n, cfg = 1 << 20, EchoConfig(bits=4, residual=residual)
+        st_p, st_r = CompState.zeros(n, "cuda"), CompState.zeros(n, "cuda")
+        x_static = _input(n, "bfloat16", rank, seed=77, backward=False)
         y_r, _ = ref.run(x_static, cfg, state=st_r, backward=False, record=False)
-        g.replay()
-        row["y"] += _mismatch(y_static, y_r)
+        y_p, _ = p2p.run(x_static, cfg, state=st_p, backward=False, record=False)   # warm-up
+        p2p.wait_pending()
+        row["y"] += _mismatch(y_p, y_r)
         row["m1"] += _mismatch(st_p.m1, st_r.m1)
         row["m2"] += _mismatch(st_p.m2, st_r.m2)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y_static, _ = p2p.run(x_static, cfg, state=st_p, backward=False, record=False)
+        for call in range(3):
+            x_static.copy_(_input(n, "bfloat16", rank, seed=78 + call, backward=False))
+            y_r, _ = ref.run(x_static, cfg, state=st_r, backward=False, record=False)
+            g.replay()
+            row["y"] += _mismatch(y_static, y_r)
+            row["m1"] += _mismatch(st_p.m1, st_r.m1)
+            row["m2"] += _mismatch(st_p.m2, st_r.m2)
     return row
 
 

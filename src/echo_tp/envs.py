@@ -100,3 +100,10 @@ def fast_launch() -> bool:
     """ECHO_FAST_LAUNCH: repeat launches of this package's collective kernels go straight to the
     compiled kernel's launcher (1, default); 0 keeps triton's JIT dispatch on every launch."""
     return _bool("ECHO_FAST_LAUNCH", True)
+
+
+def defer_output() -> bool:
+    """ECHO_DEFER_OUTPUT: with residual 'output', the p2p backend runs the compensator update
+    after the call on a side stream (1, default), beside the caller's next kernels, the next
+    call waiting for it; 0 updates inside the call's last kernel."""
+    return _bool("ECHO_DEFER_OUTPUT", True)

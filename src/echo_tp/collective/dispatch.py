@@ -81,9 +81,13 @@ class Dispatcher:
             raise ValueError("a dispatcher needs at least one backend")
         self.backends = backends
         self.world_size = world_size
+        self._deferring = [b for b in backends if hasattr(b, "wait_pending")]
         self.last_backend: str | None = None
 
     def run(self, x, cfg, *, state, backward, record, inplace=False):
+        if state is not None:              # a deferred state update (p2p) lands first
+            for b in self._deferring:
+                b.wait_pending()
         for b in self.backends:
             if b.should_use(x, cfg):
                 self.last_backend = b.name

@@ -235,7 +235,7 @@ class P2PBackend:
                  num_warps: int | None = None, step_elems: int | None = None,
                  fused: bool | None = None,
                  programs_per_sm: int = 4,
-                 fused_max_bytes: int | None = None):
+                 fused_max_bytes: int | None = None, defer_output: bool | None = None):
         from ..kernels import allreduce_kernels as ak
         from ..kernels import flags
         self._ak, self._flags = ak, flags
@@ -274,6 +274,14 @@ class P2PBackend:
         self._ws: dict = {}
         self._ws_by_call: dict = {}
         self._timeouts: dict[bool, int] = {}
+        self.defer_output = envs.defer_output() if defer_output is None else defer_output
+        """Residual 'output': the state update runs after the call on `side_stream` (the paper's
+        §5.3: beside the caller's next matmul), and the next call that touches compensator
+        state waits for it on the GPU (`wait_pending`). Not inside CUDA graph capture (the
+        update then runs in the call's last kernel). Contract: the caller does not write x in
+        place before its next call (the update re-reads x; y it decodes again itself)."""
+        self.side_stream: torch.cuda.Stream | None = None
+        self._pending: torch.cuda.Event | None = None
         self.stage_events: list | None = None
         """Benchmarks only: four torch.cuda.Event recorded around entry, reduce and tail."""
         self.symm_backend = select_symm_backend(self.device)
@@ -299,9 +307,19 @@ class P2PBackend:
                 torch.cuda.is_current_stream_capturing()
         return True
 
+    def wait_pending(self) -> None:
+        """Order the current stream after the last deferred state update (GPU-side: no host
+        sync). Every call of this backend does it first; callers that read the compensator
+        state themselves call it too (the dispatcher does, before other backends)."""
+        if self._pending is not None and not torch.cuda.is_current_stream_capturing():
+            # (inside capture there is nothing to wait for: torch.cuda.graph synchronizes the
+            # device before capture begins, and captured calls update in their last kernel)
+            torch.cuda.current_stream(self.device).wait_event(self._pending)
+
     def run(self, x: torch.Tensor, cfg: EchoConfig, *, state: CompState | None, backward: bool,
             record: bool, inplace: bool = False) -> tuple[torch.Tensor, StepRecord | None]:
         self._flags.raise_if_set(self._err, self._err_np)
+        self.wait_pending()
         if record:   # telemetry needs the unfused intermediates: same numbers, reference path
             return compensated_all_reduce(x, cfg, self.transport, state=state,
                                           backward=backward, record=True)
@@ -317,13 +335,17 @@ class P2PBackend:
         y = torch.empty_like(x)
         if not fused:
             ws.epoch.add_(1)
+        defer = self.defer_output and cfg.residual == "output" and state is not None \
+            and not torch.cuda.is_current_stream_capturing()
         plan = self._ak.CallPlan(rank=self.rank, lay=ws.lay, cfg=cfg, x=x, state=state, fs=fs,
                                  epoch=ws.epochs if fused else ws.epoch, table=ws.table,
                                  timeout=self._timeout_units(), use_timer=self.use_timer,
                                  num_warps=self.num_warps or (8 if fused else 4),
-                                 step_elems=step)
+                                 step_elems=step, defer_output=defer)
         if fused:
             self._with_timer_fallback(plan, lambda: plan.fused(y, ws.programs))
+            if defer:
+                self._update_on_side_stream(plan, x, state, fs)
             return y, None
         ev = self.stage_events
         if ev:
@@ -337,7 +359,25 @@ class P2PBackend:
         self._with_timer_fallback(plan, lambda: plan.tail(y))
         if ev:
             ev[3].record()
+        if defer:
+            self._update_on_side_stream(plan, x, state, fs)
         return y, None
+
+    def _update_on_side_stream(self, plan, x: torch.Tensor, state: CompState,
+                               fs: torch.Tensor | None) -> None:
+        """plan.output_update() on the side stream after the call's kernels; `_pending` marks
+        its end. The tensors it reads are kept from the allocator until it is done."""
+        main = torch.cuda.current_stream(self.device)
+        if self.side_stream is None:
+            self.side_stream = torch.cuda.Stream(self.device)
+            self._pending = torch.cuda.Event()
+        side = self.side_stream
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            plan.output_update()
+        self._pending.record(side)
+        for t in (x, state.m1, state.m2) if fs is None else (x, state.m1, state.m2, fs):
+            t.record_stream(side)
 
     def _timeout_units(self) -> int:
         """ECHO_FLAG_TIMEOUT_S in the kernels' units, read once per timer mode."""
@@ -348,6 +388,8 @@ class P2PBackend:
         return units
 
     def close(self) -> None:
+        if self._pending is not None:          # a deferred update still reads a workspace
+            self._pending.synchronize()
         self._ws.clear()
         self._ws_by_call.clear()
 
@@ -389,6 +431,7 @@ class P2PBackend:
             launch()
 
     def check_error(self) -> None:
-        """Synchronize the device and raise if any wait of this backend timed out."""
+        """Synchronize the device (deferred state updates included) and raise if any wait of
+        this backend timed out."""
         torch.cuda.synchronize(self.device)
         self._flags.raise_if_set(self._err, self._err_np)

@@ -280,14 +280,19 @@ def _tail_tile(t, j, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, table_ptr,
                RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr, BG: tl.constexpr,
                SG: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
                QMAX: tl.constexpr, PF: tl.constexpr, COMP: tl.constexpr,
-               SCALED: tl.constexpr, OUTPUT: tl.constexpr, USE_TIMER: tl.constexpr):
+               SCALED: tl.constexpr, OUTPUT: tl.constexpr, USE_TIMER: tl.constexpr,
+               UPDATE_ONLY: tl.constexpr = False):
     """Wait gath[j][t]; decode tile t of owner j's packet into y (+ output-residual update),
-    in steps of SG groups."""
+    in steps of SG groups. UPDATE_ONLY: the deferred output-residual update after the call
+    (no wait: the call's tail already saw every flag; no y store: y = the decoded packet)."""
     own = _buffer(table_ptr, RANK)
-    flags = (own + flags_off).to(tl.pointer_type(tl.int64))
-    err_rec = tl.load(table_ptr + P).to(tl.pointer_type(tl.int64))
-    ok = wait_geq(flags + (P + j) * tiles + t, ep, flags + 2 * P * tiles, err_rec, RANK, 2, t,
-                  j, timeout, USE_TIMER)
+    if UPDATE_ONLY:
+        ok = ep == ep
+    else:
+        flags = (own + flags_off).to(tl.pointer_type(tl.int64))
+        err_rec = tl.load(table_ptr + P).to(tl.pointer_type(tl.int64))
+        ok = wait_geq(flags + (P + j) * tiles + t, ep, flags + 2 * P * tiles, err_rec, RANK, 2,
+                      t, j, timeout, USE_TIMER)
     for c in tl.range(0, BG // SG):
         grp = t * BG + c * SG + tl.arange(0, SG)
         gmask = grp < groups
@@ -297,7 +302,8 @@ def _tail_tile(t, j, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, table_ptr,
                            SG, QUANT, QMAX)
         if SCALED:
             y32 = y32 * tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.load(fs_ptr))
-        tl.store(y_ptr + e, _cast_out(y32, X_KIND), mask=emask)
+        if not UPDATE_ONLY:
+            tl.store(y_ptr + e, _cast_out(y32, X_KIND), mask=emask)
         if OUTPUT:
             xp, m1, m2 = _x_prime(x_ptr, m1_ptr, m2_ptr, e, emask, eta, a, oma, X_KIND, COMP)
             yf = _as_f32_of_out(y32, X_KIND)
@@ -346,13 +352,14 @@ def tail_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, epoch_ptr, table_ptr,
                 SG: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
                 QMAX: tl.constexpr, PF: tl.constexpr, COMP: tl.constexpr,
                 SCALED: tl.constexpr,
-                OUTPUT: tl.constexpr, USE_TIMER: tl.constexpr):
-    """grid (tiles, P): program (t, i) decodes tile t of owner RANK+i (mod P; own first)."""
+                OUTPUT: tl.constexpr, USE_TIMER: tl.constexpr, UPDATE_ONLY: tl.constexpr):
+    """grid (tiles, P): program (t, i) decodes tile t of owner RANK+i (mod P; own first).
+    UPDATE_ONLY (with OUTPUT): the output-residual update alone, after the call."""
     j = (RANK + tl.program_id(1)) % P
     _tail_tile(tl.program_id(0), j, tl.load(epoch_ptr), x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr,
                table_ptr, n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
                eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, BITS, QUANT, QMAX, PF,
-               COMP, SCALED, OUTPUT, USE_TIMER)
+               COMP, SCALED, OUTPUT, USE_TIMER, UPDATE_ONLY)
 
 
 @triton.jit
@@ -561,6 +568,8 @@ class CallPlan:
     use_timer: bool
     num_warps: int = 4
     step_elems: int = STEP_ELEMS  # values per step of a tile (registers); see STEP_ELEMS
+    defer_output: bool = False    # residual 'output': tail/fused leave the state alone;
+                                  # `output_update` does it afterwards (on a side stream)
 
     @functools.cached_property
     def _parts(self):
@@ -590,11 +599,27 @@ class CallPlan:
                dict(**meta, **per["reduce"], USE_TIMER=self.use_timer,
                     num_warps=self.num_warps))
 
+    def _deferred(self, consts: dict) -> dict:
+        return dict(consts, OUTPUT=False) if self.defer_output else consts
+
     def tail(self, y: torch.Tensor) -> None:
         ptrs, scal, consts, meta, per = self._parts
         launch(tail_kernel, (self.lay.tiles, self.lay.world_size),
                (*ptrs, y, self._fs(), self.epoch, self.table, *scal, self.timeout, *consts),
-               dict(**meta, **per["tail"], USE_TIMER=self.use_timer, num_warps=self.num_warps))
+               dict(**meta, **self._deferred(per["tail"]), USE_TIMER=self.use_timer,
+                    UPDATE_ONLY=False, num_warps=self.num_warps))
+
+    def output_update(self) -> None:
+        """The output-residual state update of a call whose tail/fused kernel ran with
+        defer_output: u = x' - y/P (y decoded again from the gather slots, exactly as the tail
+        decoded it), m1, m2 updated. Needs the call's gather slots unchanged: the next call on
+        this workspace must not start before it (P2PBackend orders them with an event)."""
+        ptrs, scal, consts, meta, per = self._parts
+        launch(tail_kernel, (self.lay.tiles, self.lay.world_size),
+               (*ptrs, self.x, self._fs(), self.epoch, self.table, *scal, self.timeout,
+                *consts),
+               dict(**meta, **dict(per["tail"], OUTPUT=True), USE_TIMER=self.use_timer,
+                    UPDATE_ONLY=True, num_warps=self.num_warps))
 
     def fused(self, y: torch.Tensor, programs: int) -> None:
         """The whole call in one launch of `programs` programs (<= epoch.numel(); the same on
@@ -603,7 +628,8 @@ class CallPlan:
         grid = max(1, min(programs, self.lay.tiles))
         launch(fused_kernel, (grid,),
                (*ptrs, y, self._fs(), self.epoch, self.table, *scal, self.timeout, *consts),
-               dict(**meta, **per["fused"], USE_TIMER=self.use_timer, num_warps=self.num_warps))
+               dict(**meta, **self._deferred(per["fused"]), USE_TIMER=self.use_timer,
+                    num_warps=self.num_warps))
 
 
 def local_amax(x: torch.Tensor, state: CompState | None, cfg: EchoConfig,

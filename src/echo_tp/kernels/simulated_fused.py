@@ -49,7 +49,10 @@ class SimulatedFused:
         return ws
 
     def __call__(self, x: torch.Tensor, cfg: EchoConfig, *, state: CompState | None,
-                 backward: bool = False, stages: tuple = ("entry", "reduce", "tail")):
+                 backward: bool = False, stages: tuple = ("entry", "reduce", "tail"),
+                 defer_output: bool = False):
+        """defer_output (residual 'output'): the tails leave the state alone and each rank's
+        `output_update` runs after every tail, as P2PBackend runs it on a side stream."""
         from ..collective.qar import grad_scale
         from ..collective.simulated import SimTransport
         P, n = x.shape
@@ -69,13 +72,16 @@ class SimulatedFused:
                                   fs=None if fs is None else fs[r].contiguous(),
                                   epoch=ws["epochs"][r], table=ws["tables"][r],
                                   timeout=self.timeout, use_timer=False,
-                                  step_elems=self.step_elems))
+                                  step_elems=self.step_elems, defer_output=defer_output))
         for stage in stages:
             for r in range(P):
                 if stage == "tail":
                     plans[r].tail(y[r])
                 else:
                     getattr(plans[r], stage)()
+        if defer_output and "tail" in stages:
+            for r in range(P):
+                plans[r].output_update()
         for r in range(P):
             msg = describe_error(ws["errs"][r].cpu())
             if msg is not None:
