@@ -5,15 +5,16 @@
 Per message size (bf16 bytes per GPU) and method: warm-up, then `iters` back-to-back calls
 each bracketed by CUDA events; the median per rank, the max over ranks reported. Methods:
 nccl16 (dist.all_reduce, in place), oneshot16 (the 16-bit one-shot kernel, in place, small
-sizes), ref4/ref8 (reference backend, uncompensated), p2p8/p2p4 (uncompensated, one fused
-kernel per call), p2p4-staged (the same as three stage kernels), p2p4c-out / p2p4c-loc (4-bit
-compensated, residual output / local; -staged: three kernels; p2p4c-out-unfused: the
-compensator as separate torch ops around the uncompensated p2p call, on fp32 x'; -bf16: bf16 compensator
-state; -single: beta1 = beta2 = 0, one state tensor), p2p4-graph (p2p4 replayed from a
-CUDA graph, small sizes), auto4 / auto4c (EchoCommunicator with backend='auto', 4-bit
-uncompensated / compensated (local; -bf16-single: one bf16 state tensor), in place like nccl16: what a TP layer gets, the dispatch
-picking one-shot, p2p or the plain bf16 all-reduce per size). Bus
-bandwidth uses bf16-equivalent bytes: 2 (P-1)/P * bytes / time (the nccl-tests convention).
+sizes), ref4/ref8 (reference backend, uncompensated), p2p8/p2p4 (uncompensated, the backend's
+choice of fused or stage kernels), p2p4-staged (always the three stage kernels), p2p4c-out /
+p2p4c-loc (4-bit compensated, residual output / local; -staged: three kernels; -bf16: bf16
+compensator state; -single: beta1 = beta2 = 0, one state tensor), p2p4c-out-unfused (the
+compensator as separate torch ops around the uncompensated p2p call, on fp32 x'), p2p4-graph
+(p2p4 replayed from a CUDA graph, small sizes), auto4 / auto4c / auto4c-bf16-single
+(EchoCommunicator with backend='auto': 4-bit uncompensated / compensated with the local residual
+/ the same with one bf16 state tensor; in place like nccl16: what a TP layer gets, the dispatch
+picking one-shot, p2p or the plain bf16 all-reduce per size). Bus bandwidth uses
+bf16-equivalent bytes: 2 (P-1)/P * bytes / time (the nccl-tests convention).
 Suffixes: '@...' a p2p launch shape (ppsK, wK, tK, sK; d0 = output-residual update inside the
 call instead of deferred to a side stream); '+mm' each call preceded by a bf16 matmul with an
 output of the message's size, the matmul's own time subtracted (the paper's timing of the fused

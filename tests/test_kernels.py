@@ -217,7 +217,8 @@ def test_fused_compact_state_matches_reference(residual, sdtype):
 @pytest.mark.parametrize("P,bits,residual,sdtype,backward",
                          [(2, 4, "local", torch.bfloat16, True),
                           (3, 4, "output", torch.float32, False),
-                          (4, 8, "local", torch.float32, False)])
+                          (4, 8, "local", torch.float32, False),
+                          (8, 4, "output", torch.bfloat16, True)])      # issue #7: P=8
 def test_fused_tile_in_steps_matches_reference(P, bits, residual, sdtype, backward):
     """A tile larger than a step (1024 values in 4 steps of 256: one flag and one release per
     tile, the steps' stores in flight together), last tile of each segment partial."""

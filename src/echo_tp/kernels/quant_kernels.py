@@ -76,7 +76,7 @@ def _rint(v):
 
 @triton.jit
 def _div_by_scale(x, sf):
-    """x [BG, GS] / sf [BG] (sf a positive normal fp16 value as fp32), IEEE round to nearest.
+    """x [BG, GS] / sf [BG] (sf a positive fp16 value as fp32), IEEE round to nearest.
 
     Compiled: the instruction sequence the GPU's own `div.rn.f32` runs on its fast path, with
     the reciprocal refined once per group instead of once per value (3 FMAs per value instead of
@@ -84,7 +84,8 @@ def _div_by_scale(x, sf):
     div.rn returns whenever its range check (FCHK) passes; the check can only fail where the
     quotient is subnormal, zero, or has |a| near the fp32 limits, and there the code
     round(x/s + z), clipped, is the same either way (|quotient| < 2^-100 or clipped).
-    tests/test_p2p_gpu.py checks it against torch's division for every positive normal fp16 s."""
+    tests/test_kernels_gpu.py checks it against torch's division for every positive fp16 s.
+    Interpreted: tl.math.div_rn."""
     if HW_FORMS:
         r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [sf],
                                       dtype=tl.float32, is_pure=True, pack=1)
