@@ -181,6 +181,16 @@ def amax_kernel(x_ptr, m1_ptr, m2_ptr, out_ptr, n, eta, a, oma, X_KIND: tl.const
     tl.store(out_ptr + tl.program_id(0), tl.max(tl.where(emask, v, 0.0), axis=0))
 
 
+@triton.jit
+def _step_ids(t, c, j, seg, groups, n, BG: tl.constexpr, SG: tl.constexpr, GS: tl.constexpr):
+    """Step c of tile t in segment j: its groups grp [SG] (within a segment), their mask, the
+    element ids e [SG, GS] (int64, within x) and theirs."""
+    grp = t * BG + c * SG + tl.arange(0, SG)
+    gmask = grp < groups
+    e = (tl.zeros([], tl.int64) + j) * seg + grp[:, None] * GS + tl.arange(0, GS)[None, :]
+    return grp, gmask, e, gmask[:, None] & (e < n)
+
+
 # ----------------------------------------------------------------------------- per-tile stages
 # One tile of one stage; the stage kernels below run one per program, the fused kernel runs all
 # three in a loop. `ep` is the call's epoch (what flags are set to and waited for).
@@ -198,10 +208,7 @@ def _entry_tile(t, j, ep, x_ptr, m1_ptr, m2_ptr, fs_ptr, table_ptr,
     next step computes, and one release (a system-scope fence) covers the whole tile."""
     peer = _buffer(table_ptr, j)
     for c in tl.range(0, BG // SG):
-        grp = t * BG + c * SG + tl.arange(0, SG)           # groups of the step [SG]
-        gmask = grp < groups
-        e = (tl.zeros([], tl.int64) + j) * seg + grp[:, None] * GS + tl.arange(0, GS)[None, :]
-        emask = gmask[:, None] & (e < n)
+        grp, gmask, e, emask = _step_ids(t, c, j, seg, groups, n, BG, SG, GS)
         xp, m1, m2, xs, f = _x_scaled(x_ptr, m1_ptr, m2_ptr, fs_ptr, e, emask, eta, a, oma,
                                       X_KIND, COMP, SCALED)
         s16, sf, z16, zf, finite = _group_params(xs, QUANT, LEVELS, QMAX)
@@ -236,10 +243,7 @@ def _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, fs_ptr, table_ptr,
             ok = ok & wait_geq(flags + r * tiles + t, ep, abort, err_rec, RANK, 1, t, r,
                                timeout, USE_TIMER)
     for c in tl.range(0, BG // SG):
-        grp = t * BG + c * SG + tl.arange(0, SG)
-        gmask = grp < groups
-        e = tl.full([], RANK, tl.int64) * seg + grp[:, None] * GS + tl.arange(0, GS)[None, :]
-        emask = gmask[:, None] & (e < n)
+        grp, gmask, e, emask = _step_ids(t, c, RANK, seg, groups, n, BG, SG, GS)
         xp, m1, m2, xs, f = _x_scaled(x_ptr, m1_ptr, m2_ptr, fs_ptr, e, emask, eta, a, oma,
                                       X_KIND, COMP, SCALED)
         for r in tl.static_range(P):                       # acc = c_0; acc = acc + c_1; ...
@@ -295,10 +299,8 @@ def _tail_tile(t, j, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, table_ptr,
         ok = wait_geq(flags + (P + j) * tiles + t, ep, flags + 2 * P * tiles, err_rec, RANK, 2,
                       t, j, timeout, USE_TIMER)
     for c in tl.range(0, BG // SG):
-        grp = t * BG + c * SG + tl.arange(0, SG)
-        gmask = grp < groups
-        e = (tl.zeros([], tl.int64) + j) * seg + grp[:, None] * GS + tl.arange(0, GS)[None, :]
-        emask = gmask[:, None] & (e < n) & ok
+        grp, gmask, e, emask = _step_ids(t, c, j, seg, groups, n, BG, SG, GS)
+        emask = emask & ok
         y32 = _decode_slot(own + _slot(P + j, slot), scale_off, zero_off, grp, gmask, GS, BITS,
                            SG, QUANT, QMAX)
         if SCALED:
