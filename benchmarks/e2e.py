@@ -35,7 +35,7 @@ from echo_tp.communicator import EchoCommunicator
 from echo_tp.models import ModelConfig, build_meta_model, init_weights
 from echo_tp.tp import parallelize, parse_comm_spec, set_comm
 
-COMMS = {"nccl16": "16", "echo4": "echo4", "echo4bf": "echo4:state_dtype=bfloat16",
+COMMS = {"nccl16": "16", "echo4": "echo4", "echo4bf": "echo4bf",
          "echo8": "echo8", "early8": "early8"}
 """echo4: the default config (fp32 m1, m2); echo4bf: the same with the state stored in bf16
 (half the state traffic: the compensated p2p path is faster than NCCL with it)."""

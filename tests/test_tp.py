@@ -272,6 +272,7 @@ def test_policies_and_comm_specs():
                                      residual="local")
     assert parse_comm_spec("early8").policy == "early8"
     assert parse_comm_spec("4").config.eta == 0.0
+    assert parse_comm_spec("echo4bf").config.state_dtype == "bfloat16"
     assert parse_comm_spec("16:policy=early8").policy == "early8"
     for bad, msg in (("echo5", "unknown comm config"), ("echo4:eta", "KEY=VALUE"),
                      ("echo4:bogus=1", "unknown key"), ("echo4:eta=x", "not a valid"),

@@ -144,6 +144,10 @@ class EchoConfig:
             "echo4": dict(bits=4),
             "echo4-output": dict(bits=4, residual="output", eta=0.75),  # the paper's setting
             "echo4-local": dict(bits=4, residual="local"),
+            # the same state stored in bf16: half the state traffic, so on NVLink the p2p
+            # kernels beat NCCL with it (fp32 state is HBM-bound there); same perplexity on the
+            # shipped model (docs/results/2026-11-29-p2p-x2-r2.md)
+            "echo4bf": dict(bits=4, state_dtype="bfloat16"),
         }
         if name not in presets:
             raise ValueError(f"unknown comm config {name!r}; known: {sorted(presets)}")
