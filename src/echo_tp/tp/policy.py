@@ -9,7 +9,7 @@ Presets: 'config' (None everywhere), 'uniform4', 'uniform8', '16' (plain all-red
 
 Comm spec strings:  NAME[:KEY=VALUE[,KEY=VALUE...]]
     NAME   a preset of EchoConfig.from_name ('16', '8', '4', 'echo8', 'echo4', 'echo4-output',
-           'echo4-local'), or 'early8' (= echo4 with policy=early8)
+           'echo4-local', 'echo4bf'), or 'early8' (= echo4 with policy=early8)
     KEY    bits, group_size (or g), quantizer, eta, a, beta1, beta2, residual, grad_scaling,
            state_dtype, policy
     e.g.   'echo4:eta=0.9,quantizer=naive'   '4:g=256'   'early8:residual=local'
