@@ -31,6 +31,7 @@ def test_allreduce_tables_and_plot(tmp_path):
              "busbw_GBps": 1.0} for b in (1 << 20, 1 << 30)
             for m, ms in (("nccl16", 1.0), ("p2p4", 0.5), ("auto4", 0.9))]
     rows[-1]["backend"] = "p2p"
+    assert ar.small_iters(64 << 10, 50) == ar.SMALL_ITERS and ar.small_iters(1 << 30, 50) == 50
     md = ar.markdown(rows, 2)
     assert "| 1024 MB |" in md and "[p2p]" in md and "(2.00x)" in md
     assert ar.crossover(rows) == 1 << 20
