@@ -52,26 +52,18 @@ def stage_times(P: int, n: int, name: str, tile: int, warps: int, reps: int,
                 dev: str = "cuda", step: int | None = None) -> dict:
     from echo_tp.compensator import CompState
     from echo_tp.config import EchoConfig
-    from echo_tp.kernels.allreduce_kernels import CallPlan
     from echo_tp.kernels.simulated_fused import SimulatedFused
     bits, resid, sdt, compact = CONFIGS[name]
     betas = dict(beta1=0.5, beta2=0.5) if compact else {}
     cfg = EchoConfig(bits=bits, eta=1.0 if resid else 0.0, residual=resid or "local",
                      state_dtype=sdt, **betas)
-    sim = SimulatedFused(P, tile_elems=tile, timeout_polls=10**7)
+    sim = SimulatedFused(P, tile_elems=tile, timeout_polls=10**7, step_elems=step or tile,
+                         num_warps=warps)
     x = torch.randn(P, n, device=dev, dtype=torch.bfloat16)
     st = CompState.zeros((P, n), dev, getattr(torch, sdt), compact=compact) \
         if cfg.compensated else None
-    ws = sim.workspace(n, cfg.quant_spec(), x.device)
     y = torch.empty_like(x)
-    plans = []
-    for r in range(P):
-        ws["epochs"][r].add_(1)
-        rs = None if st is None else CompState(st.m1[r], st.m2[r])
-        plans.append(CallPlan(rank=r, lay=ws["lay"], cfg=cfg, x=x[r], state=rs, fs=None,
-                              epoch=ws["epochs"][r], table=ws["tables"][r],
-                              timeout=10**7, use_timer=False, num_warps=warps,
-                              step_elems=step or tile))
+    plans = sim.plans(x, cfg, st)
     for stage in ("entry", "reduce", "tail"):                 # sets every flag (and JITs)
         for p in plans:
             p.tail(y[p.rank]) if stage == "tail" else getattr(p, stage)()

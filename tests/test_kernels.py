@@ -39,6 +39,7 @@ import torch
 pytest.importorskip("triton")
 
 from echo_tp import quant  # noqa: E402
+from harness import bits_differ  # noqa: E402
 from echo_tp.collective.qar import compensated_all_reduce  # noqa: E402
 from echo_tp.collective.simulated import SimTransport  # noqa: E402
 from echo_tp.compensator import CompState  # noqa: E402
@@ -96,13 +97,7 @@ def adversarial(rows: int, groups: int, g: int, dtype, seed: int, nonfinite: boo
 def assert_bits_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     """Equal bit patterns, except that any NaN matches any NaN (module docstring)."""
     assert got.dtype == want.dtype and got.shape == want.shape, (what, got.shape, want.shape)
-    if got.is_floating_point():
-        gn, wn = got.isnan(), want.isnan()
-        bad = gn != wn
-        ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[got.element_size()]
-        bad |= ~gn & ~wn & (got.view(ints) != want.view(ints))
-    else:
-        bad = got != want
+    bad = bits_differ(got, want)
     if bad.any():
         idx = bad.nonzero()[0].tolist()
         pytest.fail(f"{what}: {int(bad.sum())} of {bad.numel()} differ, first at {idx}: "

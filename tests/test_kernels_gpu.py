@@ -14,17 +14,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from harness import bits_differ
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-def _bad(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
-    """Bitwise mismatches (NaN matches NaN)."""
-    gn, wn = got.isnan(), want.isnan()
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[got.element_size()]
-    if not got.is_floating_point():
-        return got != want
-    return (gn != wn) | (~gn & ~wn & (got.view(ints) != want.view(ints)))
 
 
 def _all_fp16_scales() -> torch.Tensor:
@@ -67,7 +59,7 @@ def test_fast_division_is_ieee_division_for_every_fp16_scale():
         # Bit-exact wherever the code round(v + z), clipped, can depend on the last bit;
         # below 2^-100 or above 2^100 the clipped code is the same for any nearby value.
         mid = (want.abs() >= 2.0 ** -100) & (want.abs() <= 2.0 ** 100)
-        bad = _bad(out, want) & mid
+        bad = bits_differ(out, want) & mid
         assert not bad.any(), (trial, out[bad][:5], want[bad][:5])
         assert ((out - want).abs()[want.abs() < 2.0 ** -100] < 2.0 ** -90).all()
         big = want.abs() > 2.0 ** 100
@@ -97,11 +89,11 @@ def test_encode_decode_match_torch_reference_on_gpu(dtype):
             x[kind == 7, 9] = float("inf")
             x = x.reshape(-1).to(getattr(torch, dtype)).cuda()
             got, want = qk.encode(x, spec), quant.encode(x, spec)
-            assert not _bad(got.codes, want.codes).any(), (bits, qz, "codes")
-            assert not _bad(got.scale, want.scale).any(), (bits, qz, "scale")
+            assert not bits_differ(got.codes, want.codes).any(), (bits, qz, "codes")
+            assert not bits_differ(got.scale, want.scale).any(), (bits, qz, "scale")
             if spec.has_zero:
-                assert not _bad(got.zero, want.zero).any(), (bits, qz, "zero")
-            assert not _bad(qk.decode(got, spec), quant.decode(want, spec)).any(), (bits, qz)
+                assert not bits_differ(got.zero, want.zero).any(), (bits, qz, "zero")
+            assert not bits_differ(qk.decode(got, spec), quant.decode(want, spec)).any(), (bits, qz)
 
 
 # (P, bits, quantizer, residual, dtype, backward, state dtype, compact)
@@ -145,6 +137,6 @@ def test_simulated_fused_matches_torch_reference_on_gpu(case, tile, monkeypatch)
         x = x.to(getattr(torch, dtype))
         y_r, _ = compensated_all_reduce(x, cfg, SimTransport(P), state=st_r, backward=backward)
         y = sim(x, cfg, state=st, backward=backward)
-        assert not _bad(y, y_r).any(), (call, "y", int(_bad(y, y_r).sum()))
-        assert not _bad(st.m1, st_r.m1).any(), (call, "m1")
-        assert not _bad(st.m2, st_r.m2).any(), (call, "m2")
+        assert not bits_differ(y, y_r).any(), (call, "y", int(bits_differ(y, y_r).sum()))
+        assert not bits_differ(st.m1, st_r.m1).any(), (call, "m1")
+        assert not bits_differ(st.m2, st_r.m2).any(), (call, "m2")

@@ -25,7 +25,7 @@ import os
 import pytest
 import torch
 
-from harness import run_ranks
+from harness import bits_differ, run_ranks
 
 NEEDS = "needs >= {} CUDA GPUs with peer access"
 
@@ -53,19 +53,13 @@ CASES = [
 ]
 
 
-def _bad(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
-    gn, wn = got.isnan(), want.isnan()
-    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[got.element_size()]
-    return (gn != wn) | (~gn & ~wn & (got.view(ints) != want.view(ints)))
-
-
 def _mismatch(got: torch.Tensor, want: torch.Tensor) -> int:
-    return int(_bad(got, want).sum())
+    return int(bits_differ(got, want).sum())
 
 
 def _first(got: torch.Tensor, want: torch.Tensor) -> str:
     """Where the first mismatch is (element, its group and tile), for the failure message."""
-    idx = int(_bad(got, want).nonzero()[0])
+    idx = int(bits_differ(got, want).nonzero()[0])
     return (f"elem {idx} (group {idx // 128}, tile {idx // 2048}): got {got[idx].item()!r} "
             f"want {want[idx].item()!r}")
 

@@ -85,11 +85,12 @@ class Dispatcher:
         self.last_backend: str | None = None
 
     def run(self, x, cfg, *, state, backward, record, inplace=False):
-        if state is not None:              # a deferred state update (p2p) lands first
-            for b in self._deferring:
-                b.wait_pending()
         for b in self.backends:
             if b.should_use(x, cfg):
+                if state is not None:      # another backend's deferred state update lands
+                    for d in self._deferring:   # first (a deferring backend waits itself)
+                        if d is not b:
+                            d.wait_pending()
                 self.last_backend = b.name
                 return b.run(x, cfg, state=state, backward=backward, record=record,
                              inplace=inplace)

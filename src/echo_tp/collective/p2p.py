@@ -376,7 +376,7 @@ class P2PBackend:
         with torch.cuda.stream(side):
             plan.output_update()
         self._pending.record(side)
-        for t in (x, state.m1, state.m2) if fs is None else (x, state.m1, state.m2, fs):
+        for t in (x, state.m1, state.m2, *([fs] if fs is not None else [])):
             t.record_stream(side)
 
     def _timeout_units(self) -> int:

@@ -23,10 +23,11 @@ class SimulatedFused:
     persist across calls, as on GPUs."""
 
     def __init__(self, world_size: int, tile_elems: int = TILE_ELEMS, timeout_polls: int = 1000,
-                 step_elems: int = STEP_ELEMS):
+                 step_elems: int = STEP_ELEMS, num_warps: int = 4):
         self.world_size = world_size
         self.tile_elems = tile_elems
         self.step_elems = step_elems
+        self.num_warps = num_warps
         self.timeout = timeout_polls
         self._ws: dict = {}
 
@@ -64,15 +65,7 @@ class SimulatedFused:
             parts = torch.stack([local_amax(x[r], _rank_state(state, r), cfg) for r in range(P)])
             fs = grad_scale(parts, SimTransport(P))              # [P, 1]
         y = torch.empty_like(x)
-        plans = []
-        for r in range(P):
-            ws["epochs"][r].add_(1)
-            plans.append(CallPlan(rank=r, lay=ws["lay"], cfg=cfg, x=x[r],
-                                  state=_rank_state(state, r),
-                                  fs=None if fs is None else fs[r].contiguous(),
-                                  epoch=ws["epochs"][r], table=ws["tables"][r],
-                                  timeout=self.timeout, use_timer=False,
-                                  step_elems=self.step_elems, defer_output=defer_output))
+        plans = self.plans(x, cfg, state, fs, defer_output)
         for stage in stages:
             for r in range(P):
                 if stage == "tail":
@@ -87,6 +80,22 @@ class SimulatedFused:
             if msg is not None:
                 raise RuntimeError(msg)
         return y
+
+    def plans(self, x: torch.Tensor, cfg: EchoConfig, state: CompState | None,
+              fs: torch.Tensor | None = None, defer_output: bool = False) -> list[CallPlan]:
+        """One new call: every rank's epoch bumped, its CallPlan (x [P, N]; fs [P, 1] or None)."""
+        ws = self.workspace(x.shape[-1], cfg.quant_spec(), x.device)
+        plans = []
+        for r in range(self.world_size):
+            ws["epochs"][r].add_(1)
+            plans.append(CallPlan(rank=r, lay=ws["lay"], cfg=cfg, x=x[r],
+                                  state=_rank_state(state, r),
+                                  fs=None if fs is None else fs[r].contiguous(),
+                                  epoch=ws["epochs"][r], table=ws["tables"][r],
+                                  timeout=self.timeout, use_timer=False,
+                                  num_warps=self.num_warps, step_elems=self.step_elems,
+                                  defer_output=defer_output))
+        return plans
 
 
 def _rank_state(state: CompState | None, r: int) -> CompState | None:
