@@ -16,7 +16,8 @@ compensator as separate torch ops around the uncompensated p2p call, on fp32 x')
 picking one-shot, p2p or the plain bf16 all-reduce per size). Bus bandwidth uses
 bf16-equivalent bytes: 2 (P-1)/P * bytes / time (the nccl-tests convention).
 Suffixes: '@...' a p2p launch shape (ppsK, wK, tK, sK; d0 = output-residual update inside the
-call instead of deferred to a side stream); '+mm' each call preceded by a bf16 matmul with an
+call instead of deferred to a side stream; o0 = reduce then tail, o1 = overlapped in one
+launch; lK = tails K tiles behind the reduces); '+mm' each call preceded by a bf16 matmul with an
 output of the message's size, the matmul's own time subtracted (the paper's timing of the fused
 output residual, whose deferred update runs beside that matmul); +mm rows compare with
 nccl16+mm.
@@ -158,7 +159,10 @@ def ceilings(rank: int, world: int, nbytes: int = 1 << 30, iters: int = 10) -> d
     return out
 
 
-STAGE_METHODS = ("p2p4-staged", "p2p4c-loc-staged")
+STAGE_METHODS = ("p2p4-staged", "p2p8-staged", "p2p4c-loc-staged",
+                 "p2p4c-loc-bf16-single-staged")
+"""Methods timed per stage with --stages (where reduce and tail run as one overlapped launch,
+'reduce' is both and 'tail' 0)."""
 STAGE_MIN_BYTES = 64 * MB
 
 
@@ -264,11 +268,15 @@ def bench_worker(rank: int, world: int, sizes=SIZES, methods=METHODS, iters: int
                             import re
                             kw = dict(p2p_kwargs,
                                       fused=False if base.endswith("-staged") else None)
-                            for k, v in re.findall(r"(pps|w|t|s|d)(\d+)", variant):
+                            for k, v in re.findall(r"(pps|w|t|s|d|o|l)(\d+)", variant):
                                 if k == "pps":
                                     kw.update(programs_per_sm=int(v), fused=True)
                                 elif k == "d":            # d0: output-residual update inline
                                     kw["defer_output"] = bool(int(v))
+                                elif k == "o":            # o0: reduce, then tail (no overlap)
+                                    kw["overlap"] = bool(int(v))
+                                elif k == "l":            # lK: tails K tiles behind
+                                    kw["overlap_lag"] = int(v)
                                 else:
                                     kw[{"w": "num_warps", "t": "tile_elems",
                                         "s": "step_elems"}[k]] = int(v)

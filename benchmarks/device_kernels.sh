@@ -4,6 +4,8 @@
 # (OLD_SRC, optional: a copy of another commit's src/), P=2 exactness against the torch
 # reference, then the P=2 all-reduce benchmark. Results under $OUT.
 #   OLD_SRC=.work/old_src/src bash benchmarks/device_kernels.sh
+# Knobs: ONE_GPU=0 (skip the one-GPU phase), STAGE_PROFILE=0, PYTEST_K, PYTEST_S, METHODS,
+# MIN_MB, BENCH_S, SHAPES.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src ECHO_FLAG_TIMEOUT_S=20
@@ -13,7 +15,8 @@ if [ "${ONE_GPU:-1}" = 1 ]; then
 ( CUDA_VISIBLE_DEVICES=0 timeout 170 python3 -m pytest -q -x -p no:cacheprovider \
     tests/test_kernels_gpu.py > $OUT/pytest_kernels_gpu.txt 2>&1; echo "kernels_gpu rc=$?" \
     >> $OUT/pytest_kernels_gpu.txt
-  CUDA_VISIBLE_DEVICES=0 timeout 120 python3 benchmarks/stage_profile.py --out $OUT --label new \
+  [ "${STAGE_PROFILE:-1}" = 1 ] && CUDA_VISIBLE_DEVICES=0 timeout 120 python3 \
+    benchmarks/stage_profile.py --out $OUT --label new \
     --budget-s 100 --worlds 2 --configs u4,c4-loc-bf16c,c4-loc-f32 \
     --shapes ${SHAPES:-2048x4,1024x4,8192x4s2048,8192x4s1024,16384x4s2048} > $OUT/stages_new.log 2>&1 ) &
 if [ -n "${OLD_SRC:-}" ]; then
@@ -25,7 +28,7 @@ fi
 echo "one-GPU phase in $(( $(date +%s) - T0 )) s"; tail -3 $OUT/pytest_kernels_gpu.txt
 T0=$(date +%s)
 timeout ${PYTEST_S:-150} python3 -m pytest -q -x -p no:cacheprovider tests/test_p2p_gpu.py \
-  -k "${PYTEST_K:-2-True or 2-False}" > $OUT/pytest_p2p.txt 2>&1
+  -k "${PYTEST_K:-2-True or 2-overlap or 2-serial}" > $OUT/pytest_p2p.txt 2>&1
 echo "p2p pytest rc=$? in $(( $(date +%s) - T0 )) s"; grep -v "^#loc" $OUT/pytest_p2p.txt | tail -4
 T0=$(date +%s)
 METHODS=${METHODS:-nccl16,p2p4,p2p4-staged,p2p8,p2p4c-loc-staged,p2p4c-loc-bf16-single,p2p4c-out,auto4,auto4c}

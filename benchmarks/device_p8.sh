@@ -6,17 +6,19 @@ set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src ECHO_FLAG_TIMEOUT_S=20
 nvidia-smi -L; nvidia-smi topo -m | head -10
-# 1. exactness at P=8: the exactness worker (both kernel forms) on 8 ranks
-timeout 200 python3 - > $OUT/exact_p8.txt 2>&1 <<'PY'
+# 1. exactness at P=8: the exactness worker (fused kernel; stage kernels serial and
+#    overlapped) on 8 ranks
+timeout 230 python3 - > $OUT/exact_p8.txt 2>&1 <<'PY'
 import sys
 sys.path[:0] = ["tests", "benchmarks"]
 from allreduce import spawn_nccl
 from test_p2p_gpu import CASES, exactness_worker
-for fused in (True, False):
-    res = spawn_nccl(8, exactness_worker, CASES[:8] + CASES[-3:], 2, None, True, fused)
+for fused, overlap in ((True, None), (False, False), (False, True)):
+    res = spawn_nccl(8, exactness_worker, CASES[:8] + CASES[-3:], 2, None, True, fused,
+                     overlap)
     bad = [(r, row) for r, rows in enumerate(res) for row in rows
            if row.get("error") or row["y"] or row["m1"] or row["m2"]]
-    print(f"fused={fused}: {'EXACT' if not bad else bad[:4]}", flush=True)
+    print(f"fused={fused} overlap={overlap}: {'EXACT' if not bad else bad[:4]}", flush=True)
 PY
 echo "exact rc=$?"; grep -E "fused=|Error" $OUT/exact_p8.txt | tail -4
 # 2. all-reduce latency at P=8, 64 MB .. 1 GB

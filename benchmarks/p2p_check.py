@@ -65,7 +65,7 @@ def _adversarial(groups: int, g: int, seed: int):
 # ----------------------------------------------------------------------------- phases
 
 def phase_compile(args) -> dict:
-    """Build entry/reduce/tail and the fused kernel for sm_90 without a GPU; report resources
+    """Build entry/reduce/tail, reduce_tail and the fused kernel for sm_90 without a GPU; report resources
     and FMA count."""
     import re
     import subprocess as sp
@@ -80,7 +80,7 @@ def phase_compile(args) -> dict:
     from echo_tp.kernels import quant_kernels as qk
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
     types = dict(x_ptr="*bf16", y_ptr="*bf16", m1_ptr="*fp32", m2_ptr="*fp32", fs_ptr="*fp32",
-                 epoch_ptr="*i64", epochs_ptr="*i64", table_ptr="*i64", timeout="i64", eta="fp32", a="fp32",
+                 epoch_ptr="*i64", epochs_ptr="*i64", table_ptr="*i64", ticket_ptr="*i64", timeout="i64", eta="fp32", a="fp32",
                  oma="fp32", b1="fp32", omb1="fp32", b2="fp32", omb2="fp32")
     div16 = {"seg", "slot", "scale_off", "zero_off", "flags_off", "n"}
     out = []
@@ -95,7 +95,10 @@ def phase_compile(args) -> dict:
                            (ak.tail_kernel, dict(common, PF=4.0, OUTPUT=comp and not local,
                                                  USE_TIMER=True, UPDATE_ONLY=False)),
                            (ak.fused_kernel, dict(common, **quant, PF=4.0,
-                                                  OUTPUT=comp and not local, USE_TIMER=True))):
+                                                  OUTPUT=comp and not local, USE_TIMER=True)),
+                           (ak.reduce_tail_kernel, dict(common, **quant, PF=4.0,
+                                                        OUTPUT=comp and not local,
+                                                        USE_TIMER=True))):
             sig = {a: "constexpr" if a in consts else types.get(a, "i32") for a in fn.arg_names}
             attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
                      if a not in consts and (sig[a].startswith("*") or a in div16)}

@@ -66,14 +66,15 @@ def stage_times(P: int, n: int, name: str, tile: int, warps: int, reps: int,
     plans = sim.plans(x, cfg, st)
     for stage in ("entry", "reduce", "tail"):                 # sets every flag (and JITs)
         for p in plans:
-            p.tail(y[p.rank]) if stage == "tail" else getattr(p, stage)()
+            p.entry() if stage == "entry" else getattr(p, stage)(y[p.rank])
     if dev != "cpu":
         torch.cuda.synchronize()
     out = {"P": P, "numel": n, "config": name, "tile": tile, "warps": warps,
            "step": step or tile}
     share = {"entry": n * (P - 1) / P, "reduce": n / P, "tail": n}
     for stage in ("entry", "reduce", "tail"):
-        run = (lambda: plans[0].tail(y[0])) if stage == "tail" else getattr(plans[0], stage)
+        run = plans[0].entry if stage == "entry" else \
+            (lambda f=getattr(plans[0], stage): f(y[0]))
         times = []
         for _ in range(reps):
             stop = _timer(dev)

@@ -30,6 +30,24 @@ def test_crossover_table(monkeypatch):
         p2p.crossover_bytes(2, 0)
 
 
+def test_overlap_policy(monkeypatch):
+    """reduce and tail overlap only where measured faster (8-bit, uncompensated);
+    ECHO_P2P_OVERLAP forces either way."""
+    from echo_tp import envs
+    from echo_tp.config import EchoConfig
+    assert p2p.overlap_wins(EchoConfig(bits=8, eta=0.0))
+    assert not p2p.overlap_wins(EchoConfig(bits=4, eta=0.0))
+    assert not p2p.overlap_wins(EchoConfig(bits=8))                     # compensated
+    monkeypatch.delenv("ECHO_P2P_OVERLAP", raising=False)
+    assert envs.p2p_overlap() is None
+    for v, want in (("1", True), ("0", False), ("auto", None)):
+        monkeypatch.setenv("ECHO_P2P_OVERLAP", v)
+        assert envs.p2p_overlap() is want
+    monkeypatch.setenv("ECHO_P2P_OVERLAP", "yes")
+    with pytest.raises(ValueError, match="ECHO_P2P_OVERLAP"):
+        envs.p2p_overlap()
+
+
 def test_tile_shape_by_segment_length():
     """Tiles (values per flag and release) grow with the segment, between the step and
     TILE_MAX, powers of two, at least TILES_PER_SEGMENT of them when the segment allows."""

@@ -37,6 +37,8 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from echo_tp import quant  # noqa: E402
 from harness import bits_differ  # noqa: E402
@@ -279,49 +281,105 @@ def test_missing_peer_times_out_with_rank_stage_tile():
         sim(x, EchoConfig(bits=4, eta=0.0), state=None, stages=("reduce",))
 
 
+@triton.jit
+def _ticket_items_kernel(out_ptr, tiles, lag, RANK: tl.constexpr, P: tl.constexpr,
+                         FIRST: tl.constexpr):
+    k = tl.program_id(0)
+    is_reduce, t, j = ak._ticket_item(k, tiles, lag, RANK, P, FIRST)
+    tl.store(out_ptr + 3 * k, is_reduce.to(tl.int64))
+    tl.store(out_ptr + 3 * k + 1, t.to(tl.int64))
+    tl.store(out_ptr + 3 * k + 2, j.to(tl.int64))
+
+
+@pytest.mark.parametrize("P,rank,tiles,lag,first", [(2, 0, 5, 0, 0), (2, 1, 5, 2, 1),
+                                                    (3, 2, 4, 4, 0), (4, 1, 7, 3, 1),
+                                                    (8, 5, 3, 1, 0), (2, 0, 1, 1, 1)])
+def test_ticket_order_covers_every_item_once_tails_after_their_reduce(P, rank, tiles, lag,
+                                                                      first):
+    """reduce_tail_kernel's ticket order: every reduce tile and every (tile, owner) tail exactly
+    once (owners other than the rank when first=1: the reduce wrote the own y); tile t's tails
+    come after its reduce and exactly `lag` reduces later (clamped at the end); each tile's
+    tails start with owner rank+first."""
+    items_n = (P - first + 1) * tiles
+    out = torch.full((items_n * 3,), -1, dtype=torch.int64)
+    _ticket_items_kernel[(items_n,)](out, tiles, lag, RANK=rank, P=P, FIRST=first)
+    items = [tuple(v) for v in out.view(-1, 3).tolist()]
+    reduces = [t for r, t, _ in items if r]
+    tails = [(t, j) for r, t, j in items if not r]
+    assert reduces == list(range(tiles))
+    assert sorted(tails) == [(t, j) for t in range(tiles) for j in range(P)
+                             if not (first and j == rank)]
+    pos = {("R", t): k for k, (r, t, _) in enumerate(items) if r}
+    for k, (r, t, j) in enumerate(items):
+        if not r:
+            done = sum(1 for rr, tt, _ in items[:k] if rr)        # reduces before this tail
+            assert pos[("R", t)] < k and done == min(tiles, t + 1 + lag)
+    firsts = [j for k, (r, t, j) in enumerate(items)
+              if not r and (k == 0 or items[k - 1][0] or items[k - 1][1] != t)]
+    assert firsts == [(rank + first) % P] * tiles
+
+
 def _concurrent_rank(rank, P, bufs, errs, xs, ys, m1s, m2s, cfg, programs, tile, step,
-                     defer=False):
+                     defer=False, lag=None):
     """One simulated rank in its own process: consecutive calls, no barrier between them.
-    programs=0: the three stage kernels (host-bumped epoch); else the fused kernel with that
-    many programs (per-program epochs)."""
+    programs=0: the three stage kernels (host-bumped epoch), or with lag: entry, then reduce
+    and tail overlapped in one launch; else the fused kernel with that many programs
+    (per-program epochs)."""
     torch.set_num_threads(1)
     lay = ak.Layout.build(xs.shape[-1], P, cfg.quant_spec(), tile_elems=tile)
     table = torch.tensor([b.data_ptr() for b in bufs] + [errs[rank].data_ptr()])
     epoch = torch.zeros(max(1, programs), dtype=torch.int64)
+    ticket = torch.zeros(2, dtype=torch.int64)
     state = CompState(m1s[rank], m2s[rank])
     for call in range(xs.shape[0]):
         if not programs:
             epoch.add_(1)
+        d = bool(call % 2) if defer == "alternate" else defer
         plan = ak.CallPlan(rank=rank, lay=lay, cfg=cfg, x=xs[call, rank], state=state, fs=None,
                            epoch=epoch, table=table, timeout=300_000, use_timer=False,
-                           step_elems=step, defer_output=defer)
+                           step_elems=step, defer_output=d)
         time.sleep(0.6 if rank == call % P else 0.0)          # one rank pushes late,
         if programs:
             plan.fused(ys[call, rank], programs)
-            if defer:                # the side-stream update, before this rank's next call
+            if d:                # the side-stream update, before this rank's next call
                 plan.output_update()
             continue
         plan.entry()
         time.sleep(0.6 if rank == (call + 1) % P else 0.0)    # another reduces late
-        plan.reduce()
+        if lag is not None:
+            plan.reduce_tail(ys[call, rank], ticket, lag)
+            if d:
+                plan.output_update()
+            continue
+        plan.reduce(ys[call, rank])
         plan.tail(ys[call, rank])
 
 
-@pytest.mark.parametrize("P,residual,programs,tile,step,defer",
-                         [(2, "local", 0, 256, 256, False), (3, "output", 0, 256, 256, False),
-                          (2, "output", 2, 256, 256, False), (3, "local", 1, 256, 256, False),
-                          (4, "output", 2, 256, 256, False), (2, "local", 2, 512, 256, False),
-                          (3, "output", 2, 512, 256, True)])
-def test_fused_ranks_in_concurrent_processes(P, residual, programs, tile, step, defer):
+@pytest.mark.parametrize("P,residual,programs,tile,step,defer,lag",
+                         [(2, "local", 0, 256, 256, False, None),
+                          (3, "output", 0, 256, 256, False, None),
+                          (2, "output", 2, 256, 256, False, None),
+                          (3, "local", 1, 256, 256, False, None),
+                          (4, "output", 2, 256, 256, False, None),
+                          (2, "local", 2, 512, 256, False, None),
+                          (3, "output", 2, 512, 256, True, None),
+                          (2, "local", 0, 256, 256, False, 1),
+                          (3, "output", 0, 256, 256, True, 0),
+                          (2, "output", 0, 256, 256, "alternate", 3),
+                          (4, "local", 0, 256, 256, False, 50)])
+def test_fused_ranks_in_concurrent_processes(P, residual, programs, tile, step, defer, lag):
     """The flag protocol with real concurrency: P processes share their buffers (as symmetric
     memory would), each runs 3 calls back to back; every wait must see its peer's data and no
     rank may overwrite a slot a slower peer still reads. programs > 0: the single fused kernel,
     each program looping over several tiles (4-5 tiles here); defer: the fused kernel leaves the
     output-residual update to `output_update`, run by each rank after its call while the other
-    ranks may already be in their next one (its gather slots must still hold this call)."""
+    ranks may already be in their next one (its gather slots must still hold this call);
+    'alternate': deferred on odd calls only (the overlapped launch then alternates between
+    P-1 and P tails per tile on one workspace). lag: the reduce and tail overlapped in one
+    launch (tails `lag` tiles behind; 50 > tiles: every reduce first)."""
     import torch.multiprocessing as mp
     cfg = EchoConfig(bits=4, residual=residual)
-    calls, n = 3, 1000 if not programs else 2300
+    calls, n = 3, 1000 if not programs and lag is None else 2300
     lay = ak.Layout.build(n, P, cfg.quant_spec(), tile_elems=tile)
     bufs = [torch.randint(0, 256, (lay.nbytes,), dtype=torch.uint8).share_memory_()
             for _ in range(P)]
@@ -333,7 +391,7 @@ def test_fused_ranks_in_concurrent_processes(P, residual, programs, tile, step, 
     ys = torch.empty_like(xs).share_memory_()
     m1s, m2s = torch.zeros(P, n).share_memory_(), torch.zeros(P, n).share_memory_()
     mp.start_processes(_concurrent_rank, args=(P, bufs, errs, xs, ys, m1s, m2s, cfg, programs,
-                                               tile, step, defer),
+                                               tile, step, defer, lag),
                        nprocs=P, start_method="spawn")
     for r in range(P):
         assert describe_error(errs[r]) is None, describe_error(errs[r])

@@ -78,8 +78,11 @@ def _input(n, dtype, rank, seed, backward):
 
 
 def exactness_worker(rank: int, world: int, cases=CASES, calls: int = 3, group=None,
-                     graph: bool = True, fused: bool | None = None) -> list[dict]:
-    """On one rank: every case through p2p and the reference; mismatch counts per tensor."""
+                     graph: bool = True, fused: bool | None = None,
+                     overlap: bool | None = None) -> list[dict]:
+    """On one rank: every case through p2p and the reference; mismatch counts per tensor.
+    fused True / False: the fused kernel / the stage kernels; None: by size. overlap: the
+    stage kernels' reduce and tail in one launch (None: the default)."""
     from echo_tp.collective.dispatch import TransportBackend
     from echo_tp.collective.p2p import P2PBackend, p2p_unavailable_reason
     from echo_tp.collective.reference import DistTransport
@@ -89,7 +92,7 @@ def exactness_worker(rank: int, world: int, cases=CASES, calls: int = 3, group=N
     if reason is not None:
         return [{"error": reason}]
     os.environ["ECHO_TORCH_QUANT"] = "1"   # the reference quantizes with quant.py (torch)
-    p2p = P2PBackend(group, min_bytes=0, fused=fused)
+    p2p = P2PBackend(group, min_bytes=0, fused=fused, overlap=overlap)
     calls = int(os.environ.get("ECHO_TEST_CALLS", calls))
     ref = TransportBackend(DistTransport(group))
     out = []
@@ -125,7 +128,7 @@ def exactness_worker(rank: int, world: int, cases=CASES, calls: int = 3, group=N
     out.append(_oneshot_case(group, rank, world))
     print(f"[exact P{world} rank{rank}] {out[-1]}", flush=True)
     out.append({"case": "info", "symm_backend": str(p2p.symm_backend), "use_timer": p2p.use_timer,
-                "fused": p2p.fused, "y": 0, "m1": 0, "m2": 0})
+                "fused": p2p.fused, "overlap": p2p.overlap, "y": 0, "m1": 0, "m2": 0})
     p2p.check_error()
     p2p.close()
     return out
@@ -184,14 +187,18 @@ def _graph_case(p2p, ref, rank: int) -> dict:
     return row
 
 
-def _ranks_fn(rank: int, world: int, cases, fused: bool = True):
+def _ranks_fn(rank: int, world: int, cases, fused: bool | str = True):
+    """fused: True (the fused kernel), False (stage kernels, reduce and tail overlapped where
+    p2p.overlap_wins), 'overlap' (always overlapped) or 'serial' (never)."""
     import torch.distributed as dist
     for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                  ("NVSHMEM_DISABLE_NVLS", "1")):
         os.environ.setdefault(k, v)
     torch.cuda.set_device(rank)
     group = dist.new_group(backend="nccl")
-    return exactness_worker(rank, world, cases, group=group, fused=fused)
+    overlap = {"serial": False, "overlap": True}.get(fused)
+    return exactness_worker(rank, world, cases, group=group,
+                            fused=fused if isinstance(fused, bool) else False, overlap=overlap)
 
 
 def test_unavailable_reason_is_cheap_without_gpus():
@@ -203,7 +210,8 @@ def test_unavailable_reason_is_cheap_without_gpus():
         assert reason is None or isinstance(reason, str)
 
 
-@pytest.mark.parametrize("world,fused", [(2, True), (2, False), (4, True), (4, False)])
+@pytest.mark.parametrize("world,fused", [(2, True), (2, "overlap"), (2, "serial"), (4, True),
+                                         (4, "overlap"), (4, "serial")])
 def test_p2p_bit_identical_to_nccl_reference(world, fused):
     if torch.cuda.device_count() < world:
         pytest.skip(NEEDS.format(world))

@@ -107,3 +107,11 @@ def defer_output() -> bool:
     after the call on a side stream (1, default), beside the caller's next kernels, the next
     call waiting for it; 0 updates inside the call's last kernel."""
     return _bool("ECHO_DEFER_OUTPUT", True)
+
+
+def p2p_overlap() -> bool | None:
+    """ECHO_P2P_OVERLAP: how the p2p stage kernels run reduce and tail: 1 = one overlapped
+    launch (the tails of early tiles beside the reduces of later ones), 0 = one after the
+    other, auto (default) = where measured faster (p2p.overlap_wins)."""
+    v = _choice("ECHO_P2P_OVERLAP", "auto", ("auto", "0", "1"))
+    return None if v == "auto" else v == "1"

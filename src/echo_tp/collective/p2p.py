@@ -10,8 +10,10 @@ current stream and without a host synchronization, either
     one fused kernel (messages up to FUSED_MAX_BYTES): entry, reduce and tail of every tile,
         per-program epochs bumped by the kernel itself; one launch, or
     epoch += 1 (device)  ->  entry (quantize + push)  ->  reduce (owner sum, requantize, push to
-        all)  ->  tail (decode, y, output-residual state update): the stage kernels, which keep
-        more bytes in flight on large messages.
+        all, y of the own segment)  ->  tail (decode the other owners' packets into y;
+        output-residual state update): the stage kernels, which keep more bytes in flight on
+        large messages; reduce and tail run as one overlapped launch where that measured
+        faster (`overlap_wins`: 8-bit uncompensated).
 
 Launches after the first of each specialization skip triton's JIT dispatch
 (allreduce_kernels.launch). Backward calls with grad_scaling add one kernel for the local max
@@ -107,6 +109,23 @@ tiles keep more bytes in flight per fence; too few tiles leave SMs idle. 2026-11
 tensor, 1024-value steps) 1 GiB 2.96 ms at 1024-value tiles, 1.79 at 16384."""
 
 
+OVERLAP_LAG_PER_SM = 8
+"""reduce_tail_kernel: tails trail the reduces by this many tiles per SM (more than the
+reduces a GPU has in flight at once), so a tail mostly finds its tile reduced on every rank
+instead of spinning in a slot a reduce could use. 2026-11-30, 2 H200s, 8-bit 1 GiB: lag 264
+tiles 1.88x NCCL, 1024 1.92x, 4096 1.84x (-allreduce-P2-overlap.json)."""
+
+
+def overlap_wins(cfg: EchoConfig) -> bool:
+    """Whether the stage kernels run reduce and tail overlapped (`CallPlan.reduce_tail`) for
+    this config. Measured 2026-11-30 on 2 H200s (docs/results/2026-11-30-p2p-x2-r4.md), 64 MiB
+    to 1 GiB: 8-bit uncompensated 1.97-2.05x NCCL overlapped vs 1.78-1.86x serial; 4-bit
+    uncompensated 2.67-2.75x vs 2.76-2.81x from 256 MiB; compensated (bf16 state) 1.76-1.83x
+    vs 1.82-1.86x. One kernel runs both stages at the larger stage's register count, so the
+    HBM-bound tail loses occupancy; only the 8-bit reduce is long enough to hide it."""
+    return cfg.bits == 8 and not cfg.compensated
+
+
 def tile_shape(seg: int, compensated: bool, fused: bool) -> tuple[int, int]:
     """(values per tile, values per step) for a segment of `seg` values."""
     step = STEP_ELEMS[compensated]
@@ -200,6 +219,7 @@ class _Workspace(SymmetricBuffer):
         self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
         self.programs = programs
         self.epochs = torch.zeros(max(1, programs), dtype=torch.int64, device=device)
+        self.ticket = torch.zeros(2, dtype=torch.int64, device=device)   # reduce_tail_kernel
 
 
 def select_symm_backend(device) -> str | None:
@@ -235,7 +255,8 @@ class P2PBackend:
                  num_warps: int | None = None, step_elems: int | None = None,
                  fused: bool | None = None,
                  programs_per_sm: int = 4,
-                 fused_max_bytes: int | None = None, defer_output: bool | None = None):
+                 fused_max_bytes: int | None = None, defer_output: bool | None = None,
+                 overlap: bool | None = None, overlap_lag: int | None = None):
         from ..kernels import allreduce_kernels as ak
         from ..kernels import flags
         self._ak, self._flags = ak, flags
@@ -280,6 +301,14 @@ class P2PBackend:
         state waits for it on the GPU (`wait_pending`). Not inside CUDA graph capture (the
         update then runs in the call's last kernel). Contract: the caller does not write x in
         place before its next call (the update re-reads x; y it decodes again itself)."""
+        self.overlap = envs.p2p_overlap() if overlap is None else overlap
+        """Stage kernels: True = reduce and tail as one launch (`CallPlan.reduce_tail`), the
+        tails of tile t beside the reduces of tiles t + overlap_lag on (the tail is HBM-bound,
+        the reduce link-bound); False = reduce, then tail; None = `overlap_wins`."""
+        self.overlap_lag = OVERLAP_LAG_PER_SM * \
+            torch.cuda.get_device_properties(self.device).multi_processor_count \
+            if overlap_lag is None else overlap_lag
+        """Tiles the tails trail the reduces by (see OVERLAP_LAG_PER_SM)."""
         self.side_stream: torch.cuda.Stream | None = None
         self._pending: torch.cuda.Event | None = None
         self.stage_events: list | None = None
@@ -353,10 +382,16 @@ class P2PBackend:
         plan.entry()
         if ev:
             ev[1].record()
-        self._with_timer_fallback(plan, plan.reduce)
+        overlap = self.overlap if self.overlap is not None else overlap_wins(cfg)
+        if overlap:                     # reduce + tail in one launch (events 2, 3: its end)
+            self._with_timer_fallback(plan, lambda: plan.reduce_tail(y, ws.ticket,
+                                                                     self.overlap_lag))
+        else:
+            self._with_timer_fallback(plan, lambda: plan.reduce(y))
         if ev:
             ev[2].record()
-        self._with_timer_fallback(plan, lambda: plan.tail(y))
+        if not overlap:
+            self._with_timer_fallback(plan, lambda: plan.tail(y))
         if ev:
             ev[3].record()
         if defer:

@@ -8,10 +8,14 @@ y and the compensator state are bit-identical). Per rank r, with P ranks, segmen
          residual 'local': m1, m2 of the sent elements are updated here with x'_j - x^_j.
   reduce (grid tiles)        wait recv[s][t] for every sender s; acc = contrib_0 + contrib_1 + ...
          in rank order (own contribution = x', unquantized); requantize once; write the packet
-         into every rank's gather slot r; signal gath[r][t] on every rank.
-         residual 'local': m1, m2 of the own segment are updated with s - y_own.
-  tail   (grid tiles x P)    wait gath[j][t]; decode; y = cast(y32 [/ 2^e]); residual 'output':
-         u = x' - y/P and the m1, m2 update.
+         into every rank's gather slot r; signal gath[r][t] on every rank. y of the own
+         segment = the decode of that packet, from registers (OWN_Y; not when the tail updates
+         the output residual). residual 'local': m1, m2 of the own segment are updated with
+         s - y_own.
+  tail   (grid tiles x P, or P-1 owners with OWN_Y)    wait gath[j][t]; decode;
+         y = cast(y32 [/ 2^e]); residual 'output': u = x' - y/P and the m1, m2 update.
+  reduce_tail: reduce and tail in one launch, the tails trailing the reduces by `lag` tiles
+         (work items in ticket order); used where it measured faster (p2p.overlap_wins).
 
 Every rank owns one byte buffer (`Layout`), symmetric across ranks; `table` [P+1] int64 holds the
 P buffers' addresses as seen from this rank, then the address of its error record. The same
@@ -224,15 +228,18 @@ def _entry_tile(t, j, ep, x_ptr, m1_ptr, m2_ptr, fs_ptr, table_ptr,
 
 
 @triton.jit
-def _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, fs_ptr, table_ptr,
+def _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, table_ptr,
                  n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
                  eta, a, oma, b1, omb1, b2, omb2,
                  RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr, BG: tl.constexpr,
                  SG: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
                  LEVELS: tl.constexpr, QMAX: tl.constexpr, COMP: tl.constexpr,
-                 SCALED: tl.constexpr, LOCAL: tl.constexpr, USE_TIMER: tl.constexpr):
+                 SCALED: tl.constexpr, LOCAL: tl.constexpr, USE_TIMER: tl.constexpr,
+                 OWN_Y: tl.constexpr):
     """Owner sum of tile t of the own segment, requantized and pushed to every rank's gather
-    slot RANK; signal gath[RANK][t] everywhere. Waits once, then steps of SG groups."""
+    slot RANK; signal gath[RANK][t] everywhere. Waits once, then steps of SG groups.
+    OWN_Y: also y of these elements, decoded from the registers exactly as the tail would
+    decode the own gather slot (the tail then skips the own segment)."""
     own = _buffer(table_ptr, RANK)
     flags = (own + flags_off).to(tl.pointer_type(tl.int64))   # recv [P][tiles], gath [P][tiles]
     abort = flags + 2 * P * tiles
@@ -263,14 +270,19 @@ def _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, fs_ptr, table_ptr,
             dst = _buffer(table_ptr, (RANK + 1 + i) % P) + _slot(P + RANK, slot)
             _store_packet(dst, scale_off, zero_off, grp, pmask, q, s16, z16, GS, BITS, SG,
                           QUANT)
-        if LOCAL:
-            y32 = _dequant(q, sf, zf, QUANT, QMAX)
+        if LOCAL or OWN_Y:
+            y32 = _dequant(q, sf, zf, QUANT, QMAX)         # = decode of the packet just sent
             if SCALED:
                 inv = tl.math.div_rn(tl.full([], 1.0, tl.float32), f)
-                u = acc * inv - _as_f32_of_out(y32 * inv, X_KIND)
-            else:
-                u = acc - _as_f32_of_out(y32, X_KIND)
-            _update(m1_ptr, m2_ptr, e, emask & ok, m1, m2, u, b1, omb1, b2, omb2)
+                y32 = y32 * inv
+            if OWN_Y:
+                tl.store(y_ptr + e, _cast_out(y32, X_KIND), mask=emask & ok)
+            if LOCAL:
+                if SCALED:
+                    u = acc * inv - _as_f32_of_out(y32, X_KIND)
+                else:
+                    u = acc - _as_f32_of_out(y32, X_KIND)
+                _update(m1_ptr, m2_ptr, e, emask & ok, m1, m2, u, b1, omb1, b2, omb2)
     if ok:
         for i in tl.static_range(P):
             peer = _buffer(table_ptr, (RANK + 1 + i) % P)
@@ -333,18 +345,19 @@ def entry_kernel(x_ptr, m1_ptr, m2_ptr, fs_ptr, epoch_ptr, table_ptr,
 
 
 @triton.jit
-def reduce_kernel(x_ptr, m1_ptr, m2_ptr, fs_ptr, epoch_ptr, table_ptr,
+def reduce_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, epoch_ptr, table_ptr,
                   n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
                   eta, a, oma, b1, omb1, b2, omb2,
                   RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr, BG: tl.constexpr,
                   SG: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
                   LEVELS: tl.constexpr, QMAX: tl.constexpr, COMP: tl.constexpr,
-                  SCALED: tl.constexpr, LOCAL: tl.constexpr, USE_TIMER: tl.constexpr):
-    """grid (tiles,): program t reduces tile t of the own segment."""
-    _reduce_tile(tl.program_id(0), tl.load(epoch_ptr), x_ptr, m1_ptr, m2_ptr, fs_ptr,
+                  SCALED: tl.constexpr, LOCAL: tl.constexpr, USE_TIMER: tl.constexpr,
+                  OWN_Y: tl.constexpr):
+    """grid (tiles,): program t reduces tile t of the own segment (OWN_Y: and writes its y)."""
+    _reduce_tile(tl.program_id(0), tl.load(epoch_ptr), x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr,
                  table_ptr, n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
                  eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, BITS, QUANT, LEVELS,
-                 QMAX, COMP, SCALED, LOCAL, USE_TIMER)
+                 QMAX, COMP, SCALED, LOCAL, USE_TIMER, OWN_Y)
 
 
 @triton.jit
@@ -355,14 +368,76 @@ def tail_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, epoch_ptr, table_ptr,
                 SG: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
                 QMAX: tl.constexpr, PF: tl.constexpr, COMP: tl.constexpr,
                 SCALED: tl.constexpr,
-                OUTPUT: tl.constexpr, USE_TIMER: tl.constexpr, UPDATE_ONLY: tl.constexpr):
-    """grid (tiles, P): program (t, i) decodes tile t of owner RANK+i (mod P; own first).
+                OUTPUT: tl.constexpr, USE_TIMER: tl.constexpr, UPDATE_ONLY: tl.constexpr,
+                FIRST: tl.constexpr):
+    """grid (tiles, P - FIRST): program (t, i) decodes tile t of owner RANK+FIRST+i (mod P):
+    FIRST=0 every owner, own first; FIRST=1 the others (the reduce wrote the own y).
     UPDATE_ONLY (with OUTPUT): the output-residual update alone, after the call."""
-    j = (RANK + tl.program_id(1)) % P
+    j = (RANK + FIRST + tl.program_id(1)) % P
     _tail_tile(tl.program_id(0), j, tl.load(epoch_ptr), x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr,
                table_ptr, n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
                eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, BITS, QUANT, QMAX, PF,
                COMP, SCALED, OUTPUT, USE_TIMER, UPDATE_ONLY)
+
+
+@triton.jit
+def _ticket_item(k, tiles, lag, RANK: tl.constexpr, P: tl.constexpr, FIRST: tl.constexpr):
+    """Work item of ticket k of `reduce_tail_kernel` -> (is_reduce, tile t, owner j). With
+    NT = P - FIRST tails per tile (owners RANK+FIRST, ..., mod P), the order is: the reduce of
+    tiles 0..lag-1, then blocks of [reduce of tile b, the NT tails of tile b-lag], then the
+    tails of the last lag tiles:
+
+        R0 .. R(lag-1) | R(lag) T(0,.) x NT | R(lag+1) T(1,.) x NT | ... | T(tiles-lag..)
+
+    (0 <= lag <= tiles). A tail only waits on reduces of lower tickets (on every rank), and a
+    reduce only on the peers' entry kernels, so waits never form a cycle."""
+    NT: tl.constexpr = P - FIRST
+    mid = (tiles - lag) * (NT + 1)
+    k2 = k - lag
+    k3 = k2 - mid
+    b = lag + k2 // (NT + 1)
+    r = k2 % (NT + 1)
+    is_reduce = (k < lag) | ((k2 < mid) & (r == 0))
+    t = tl.where(k < lag, k, tl.where(k2 < mid, tl.where(r == 0, b, b - lag),
+                                      tiles - lag + k3 // NT))
+    i = tl.where(k2 < mid, r - 1, k3 % NT)
+    return is_reduce, t, (RANK + FIRST + i) % P
+
+
+@triton.jit
+def reduce_tail_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, epoch_ptr, table_ptr, ticket_ptr,
+                       n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
+                       lag, eta, a, oma, b1, omb1, b2, omb2,
+                       RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr,
+                       BG: tl.constexpr, SG: tl.constexpr, GS: tl.constexpr,
+                       BITS: tl.constexpr, QUANT: tl.constexpr, LEVELS: tl.constexpr,
+                       QMAX: tl.constexpr, PF: tl.constexpr, COMP: tl.constexpr,
+                       SCALED: tl.constexpr, LOCAL: tl.constexpr, OUTPUT: tl.constexpr,
+                       USE_TIMER: tl.constexpr, OWN_Y: tl.constexpr):
+    """Reduce and tail in one launch, overlapped: grid ((NT+1) x tiles,) with NT = P - OWN_Y
+    tails per tile, one work item per program, taken in ticket order (`_ticket_item`) from a
+    per-rank counter that only grows (ticket = counter++ mod (NT+1) tiles: exactly one per
+    program, so each call starts at 0). ticket_ptr [2]: one counter per NT (OWN_Y or not), so
+    calls with different NT on one workspace never shift each other's start.
+    Tickets, not program ids, set the order, so a waiting program's producers hold lower
+    tickets and are running or done whatever order the GPU starts programs in. Equivalent to
+    reduce_kernel then tail_kernel; the tails of early tiles (HBM-bound) run while later tiles
+    are still reduced and pushed (link-bound)."""
+    FIRST: tl.constexpr = 1 if OWN_Y else 0
+    k = tl.atomic_add(ticket_ptr + FIRST, 1, sem="relaxed", scope="gpu") % \
+        ((P - FIRST + 1) * tiles)
+    is_reduce, t, j = _ticket_item(k.to(tl.int32), tiles, lag, RANK, P, FIRST)
+    ep = tl.load(epoch_ptr)
+    if is_reduce:
+        _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, table_ptr,
+                     n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
+                     eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, BITS, QUANT,
+                     LEVELS, QMAX, COMP, SCALED, LOCAL, USE_TIMER, OWN_Y)
+    else:
+        _tail_tile(t, j, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, table_ptr,
+                   n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
+                   eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, BITS, QUANT,
+                   QMAX, PF, COMP, SCALED, OUTPUT, USE_TIMER)
 
 
 @triton.jit
@@ -404,10 +479,10 @@ def fused_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, epochs_ptr, table_ptr,
         t += G
     t = c
     while t < tiles:
-        _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, fs_ptr, table_ptr,
+        _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, table_ptr,
                      n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
                      eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, BITS, QUANT,
-                     LEVELS, QMAX, COMP, SCALED, LOCAL, USE_TIMER)
+                     LEVELS, QMAX, COMP, SCALED, LOCAL, USE_TIMER, False)
         t += G
     t = c
     while t < tiles:
@@ -549,6 +624,7 @@ def _static_args(lay: Layout, cfg: EchoConfig, rank: int, dtype: torch.dtype, co
         "fused": dict(LEVELS=ce["LEVELS"], QMAX=ce["QMAX"], PF=float(lay.world_size), COMP=comp,
                       SCALED=scaled, LOCAL=local, OUTPUT=output),
     }
+    per["reduce_tail"] = per["fused"]
     return scal, consts, meta, per
 
 
@@ -595,22 +671,33 @@ class CallPlan:
                (*ptrs, self._fs(), self.epoch, self.table, *scal, *consts),
                dict(**meta, **per["entry"], num_warps=self.num_warps))
 
-    def reduce(self) -> None:
+    @property
+    def own_y(self) -> bool:
+        """The reduce writes y of the own segment (from the codes in its registers) and the
+        tail decodes only the P-1 other owners' packets: a 1/P of the tail's HBM traffic moves
+        into the link-bound reduce. Not when the tail updates the output-residual state,
+        which needs every element there."""
+        return not (self._parts[4]["tail"]["OUTPUT"] and not self.defer_output)
+
+    def reduce(self, y: torch.Tensor) -> None:
         ptrs, scal, consts, meta, per = self._parts
         launch(reduce_kernel, (self.lay.tiles,),
-               (*ptrs, self._fs(), self.epoch, self.table, *scal, self.timeout, *consts),
-               dict(**meta, **per["reduce"], USE_TIMER=self.use_timer,
+               (*ptrs, y, self._fs(), self.epoch, self.table, *scal, self.timeout, *consts),
+               dict(**meta, **per["reduce"], USE_TIMER=self.use_timer, OWN_Y=self.own_y,
                     num_warps=self.num_warps))
 
     def _deferred(self, consts: dict) -> dict:
         return dict(consts, OUTPUT=False) if self.defer_output else consts
 
     def tail(self, y: torch.Tensor) -> None:
+        """After reduce(y): y of the other owners' segments (and of the own one unless the
+        reduce wrote it)."""
         ptrs, scal, consts, meta, per = self._parts
-        launch(tail_kernel, (self.lay.tiles, self.lay.world_size),
+        first = int(self.own_y)
+        launch(tail_kernel, (self.lay.tiles, self.lay.world_size - first),
                (*ptrs, y, self._fs(), self.epoch, self.table, *scal, self.timeout, *consts),
                dict(**meta, **self._deferred(per["tail"]), USE_TIMER=self.use_timer,
-                    UPDATE_ONLY=False, num_warps=self.num_warps))
+                    UPDATE_ONLY=False, FIRST=first, num_warps=self.num_warps))
 
     def output_update(self) -> None:
         """The output-residual state update of a call whose tail/fused kernel ran with
@@ -622,7 +709,21 @@ class CallPlan:
                (*ptrs, self.x, self._fs(), self.epoch, self.table, *scal, self.timeout,
                 *consts),
                dict(**meta, **dict(per["tail"], OUTPUT=True), USE_TIMER=self.use_timer,
-                    UPDATE_ONLY=True, num_warps=self.num_warps))
+                    UPDATE_ONLY=True, FIRST=0, num_warps=self.num_warps))
+
+    def reduce_tail(self, y: torch.Tensor, ticket: torch.Tensor, lag: int) -> None:
+        """reduce() then tail(y) as one overlapped launch (`reduce_tail_kernel`): the tails of
+        tile t run beside the reduces of tiles t + lag on. ticket: [2] int64, this rank's
+        counters for this layout (only ever advanced by this kernel; one per tails-per-tile
+        count, which own_y sets)."""
+        ptrs, scal, consts, meta, per = self._parts
+        tiles = self.lay.tiles
+        own = self.own_y
+        launch(reduce_tail_kernel, ((self.lay.world_size - own + 1) * tiles,),
+               (*ptrs, y, self._fs(), self.epoch, self.table, ticket, *scal, self.timeout,
+                max(0, min(lag, tiles)), *consts),
+               dict(**meta, **self._deferred(per["reduce_tail"]), USE_TIMER=self.use_timer,
+                    OWN_Y=own, num_warps=self.num_warps))
 
     def fused(self, y: torch.Tensor, programs: int) -> None:
         """The whole call in one launch of `programs` programs (<= epoch.numel(); the same on

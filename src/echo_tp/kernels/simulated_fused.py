@@ -68,10 +68,10 @@ class SimulatedFused:
         plans = self.plans(x, cfg, state, fs, defer_output)
         for stage in stages:
             for r in range(P):
-                if stage == "tail":
-                    plans[r].tail(y[r])
+                if stage == "entry":
+                    plans[r].entry()
                 else:
-                    getattr(plans[r], stage)()
+                    getattr(plans[r], stage)(y[r])
         if defer_output and "tail" in stages:
             for r in range(P):
                 plans[r].output_update()
