@@ -17,7 +17,8 @@ picking one-shot, p2p or the plain bf16 all-reduce per size). Bus bandwidth uses
 bf16-equivalent bytes: 2 (P-1)/P * bytes / time (the nccl-tests convention).
 Suffixes: '@...' a p2p launch shape (ppsK, wK, tK, sK; d0 = output-residual update inside the
 call instead of deferred to a side stream; o0 = reduce then tail, o1 = overlapped in one
-launch; lK = tails K tiles behind the reduces); '+mm' each call preceded by a bf16 matmul with an
+launch, o2 = the tail on a second stream beside the reduce; lK = tails K tiles behind the
+reduces; gK = K persistent tail programs per SM with o2); '+mm' each call preceded by a bf16 matmul with an
 output of the message's size, the matmul's own time subtracted (the paper's timing of the fused
 output residual, whose deferred update runs beside that matmul); +mm rows compare with
 nccl16+mm.
@@ -268,15 +269,17 @@ def bench_worker(rank: int, world: int, sizes=SIZES, methods=METHODS, iters: int
                             import re
                             kw = dict(p2p_kwargs,
                                       fused=False if base.endswith("-staged") else None)
-                            for k, v in re.findall(r"(pps|w|t|s|d|o|l)(\d+)", variant):
+                            for k, v in re.findall(r"(pps|w|t|s|d|o|l|g)(\d+)", variant):
                                 if k == "pps":
                                     kw.update(programs_per_sm=int(v), fused=True)
                                 elif k == "d":            # d0: output-residual update inline
                                     kw["defer_output"] = bool(int(v))
-                                elif k == "o":            # o0: reduce, then tail (no overlap)
-                                    kw["overlap"] = bool(int(v))
+                                elif k == "o":            # o0 off, o1 launch, o2 stream
+                                    kw["overlap"] = ("off", "launch", "stream")[int(v)]
                                 elif k == "l":            # lK: tails K tiles behind
                                     kw["overlap_lag"] = int(v)
+                                elif k == "g":            # gK: o2's tail programs per SM
+                                    kw["tail_programs_per_sm"] = int(v)
                                 else:
                                     kw[{"w": "num_warps", "t": "tile_elems",
                                         "s": "step_elems"}[k]] = int(v)

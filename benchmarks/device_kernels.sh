@@ -28,7 +28,7 @@ fi
 echo "one-GPU phase in $(( $(date +%s) - T0 )) s"; tail -3 $OUT/pytest_kernels_gpu.txt
 T0=$(date +%s)
 timeout ${PYTEST_S:-150} python3 -m pytest -q -x -p no:cacheprovider tests/test_p2p_gpu.py \
-  -k "${PYTEST_K:-2-True or 2-overlap or 2-serial}" > $OUT/pytest_p2p.txt 2>&1
+  -k "${PYTEST_K:-2-True or 2-off or 2-launch or 2-stream}" > $OUT/pytest_p2p.txt 2>&1
 echo "p2p pytest rc=$? in $(( $(date +%s) - T0 )) s"; grep -v "^#loc" $OUT/pytest_p2p.txt | tail -4
 T0=$(date +%s)
 METHODS=${METHODS:-nccl16,p2p4,p2p4-staged,p2p8,p2p4c-loc-staged,p2p4c-loc-bf16-single,p2p4c-out,auto4,auto4c}

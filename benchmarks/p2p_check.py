@@ -65,7 +65,7 @@ def _adversarial(groups: int, g: int, seed: int):
 # ----------------------------------------------------------------------------- phases
 
 def phase_compile(args) -> dict:
-    """Build entry/reduce/tail, reduce_tail and the fused kernel for sm_90 without a GPU; report resources
+    """Build entry/reduce/tail, reduce_tail, tail_loop and the fused kernel for sm_90 without a GPU; report resources
     and FMA count."""
     import re
     import subprocess as sp
@@ -91,14 +91,17 @@ def phase_compile(args) -> dict:
                       QUANT=ce["QUANT"], QMAX=ce["QMAX"], COMP=comp, SCALED=False)
         quant = dict(LEVELS=ce["LEVELS"], LOCAL=local and comp)
         for fn, consts in ((ak.entry_kernel, dict(common, **quant)),
-                           (ak.reduce_kernel, dict(common, **quant, USE_TIMER=True)),
+                           (ak.reduce_kernel, dict(common, **quant, USE_TIMER=True,
+                                                   OWN_Y=True)),
                            (ak.tail_kernel, dict(common, PF=4.0, OUTPUT=comp and not local,
-                                                 USE_TIMER=True, UPDATE_ONLY=False)),
+                                                 USE_TIMER=True, UPDATE_ONLY=False, FIRST=1)),
                            (ak.fused_kernel, dict(common, **quant, PF=4.0,
                                                   OUTPUT=comp and not local, USE_TIMER=True)),
                            (ak.reduce_tail_kernel, dict(common, **quant, PF=4.0,
                                                         OUTPUT=comp and not local,
-                                                        USE_TIMER=True))):
+                                                        USE_TIMER=True, OWN_Y=True)),
+                           (ak.tail_loop_kernel, dict(common, PF=4.0, OUTPUT=comp and not local,
+                                                      USE_TIMER=True, FIRST=1))):
             sig = {a: "constexpr" if a in consts else types.get(a, "i32") for a in fn.arg_names}
             attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
                      if a not in consts and (sig[a].startswith("*") or a in div16)}

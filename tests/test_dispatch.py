@@ -31,18 +31,23 @@ def test_crossover_table(monkeypatch):
 
 
 def test_overlap_policy(monkeypatch):
-    """reduce and tail overlap only where measured faster (8-bit, uncompensated);
-    ECHO_P2P_OVERLAP forces either way."""
+    """reduce and tail overlap only where measured faster (one launch: 8-bit uncompensated);
+    ECHO_P2P_OVERLAP forces a mode."""
     from echo_tp import envs
     from echo_tp.config import EchoConfig
-    assert p2p.overlap_wins(EchoConfig(bits=8, eta=0.0))
-    assert not p2p.overlap_wins(EchoConfig(bits=4, eta=0.0))
-    assert not p2p.overlap_wins(EchoConfig(bits=8))                     # compensated
+    mode = p2p.overlap_mode
+    assert mode(EchoConfig(bits=8, eta=0.0)) == "launch"
+    assert mode(EchoConfig(bits=4, eta=0.0)) == "off"
+    assert mode(EchoConfig(bits=8)) == "off"                            # compensated
+    for cfg in (EchoConfig(bits=b, eta=e) for b in (4, 8) for e in (0.0, 0.75)):
+        assert mode(cfg) in envs.OVERLAP_MODES
     monkeypatch.delenv("ECHO_P2P_OVERLAP", raising=False)
     assert envs.p2p_overlap() is None
-    for v, want in (("1", True), ("0", False), ("auto", None)):
+    for v in envs.OVERLAP_MODES:
         monkeypatch.setenv("ECHO_P2P_OVERLAP", v)
-        assert envs.p2p_overlap() is want
+        assert envs.p2p_overlap() == v
+    monkeypatch.setenv("ECHO_P2P_OVERLAP", "auto")
+    assert envs.p2p_overlap() is None
     monkeypatch.setenv("ECHO_P2P_OVERLAP", "yes")
     with pytest.raises(ValueError, match="ECHO_P2P_OVERLAP"):
         envs.p2p_overlap()

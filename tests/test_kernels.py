@@ -160,10 +160,11 @@ def _fused_input(P, n, dtype, seed, scale):
 
 
 def _check_fused(P, cfg, n, dtype, backward, calls, seed, state_dtype=torch.float32,
-                 compact=False, tile=256, step=ak.STEP_ELEMS, defer_output=False):
+                 compact=False, tile=256, step=ak.STEP_ELEMS, defer_output=False,
+                 tail_programs=None):
     """SimulatedFused against compensated_all_reduce over SimTransport: y, m1, m2 bit for bit
     over `calls` consecutive calls (the state feeds back; the flags' epoch advances)."""
-    sim = sf.SimulatedFused(P, tile_elems=tile, step_elems=step)
+    sim = sf.SimulatedFused(P, tile_elems=tile, step_elems=step, tail_programs=tail_programs)
     ref_state = CompState.zeros((P, n), "cpu", state_dtype, compact=compact)
     state = CompState.zeros((P, n), "cpu", state_dtype, compact=compact)
     for call in range(calls):
@@ -223,6 +224,18 @@ def test_fused_tile_in_steps_matches_reference(P, bits, residual, sdtype, backwa
                      state_dtype="bfloat16" if sdtype == torch.bfloat16 else "float32")
     _check_fused(P, cfg, 3000 + 53 * P, torch.bfloat16, backward, calls=2, seed=1300 + P,
                  state_dtype=sdtype, tile=1024, step=256)
+
+
+@pytest.mark.parametrize("P,residual,defer,programs", [(2, "local", False, 1),
+                                                       (3, "output", False, 2),
+                                                       (4, "output", True, 5)])
+def test_tail_loop_matches_reference(P, residual, defer, programs):
+    """The tail as a few persistent programs (overlap 'stream'): each walks (tile, owner)
+    items in steps of `programs`; P-1 owners when the reduce wrote the own y (local, or the
+    output residual deferred), all P when the tail updates the output residual."""
+    cfg = EchoConfig(bits=4, residual=residual)
+    _check_fused(P, cfg, 2600 + 31 * P, torch.bfloat16, False, calls=2, seed=1500 + P,
+                 tile=256, defer_output=defer, tail_programs=programs)
 
 
 @pytest.mark.parametrize("P,bits,quantizer,dtype,backward,sdtype,compact",

@@ -109,8 +109,9 @@ FUSED = [
 
 
 @pytest.mark.parametrize("case", FUSED, ids=lambda c: "-".join(map(str, c)))
-@pytest.mark.parametrize("tile", [1024, 2048])
-def test_simulated_fused_matches_torch_reference_on_gpu(case, tile, monkeypatch):
+@pytest.mark.parametrize("tile,tail_programs", [(1024, None), (2048, None), (2048, 264)])
+def test_simulated_fused_matches_torch_reference_on_gpu(case, tile, tail_programs, monkeypatch):
+    """tail_programs: the tail as persistent programs (tail_loop_kernel, overlap 'stream')."""
     from echo_tp.collective.qar import compensated_all_reduce
     from echo_tp.collective.simulated import SimTransport
     from echo_tp.compensator import CompState
@@ -124,7 +125,7 @@ def test_simulated_fused_matches_torch_reference_on_gpu(case, tile, monkeypatch)
     sdtype = getattr(torch, sdt)
     st = CompState.zeros((P, n), "cuda", sdtype, compact=compact)
     st_r = CompState.zeros((P, n), "cuda", sdtype, compact=compact)
-    sim = SimulatedFused(P, tile_elems=tile, timeout_polls=10**7)
+    sim = SimulatedFused(P, tile_elems=tile, timeout_polls=10**7, tail_programs=tail_programs)
     gen = torch.Generator(device="cuda").manual_seed(hash(case) % 1000 + tile)
     for call in range(3):
         x = torch.randn(P, n, device="cuda", generator=gen)

@@ -79,10 +79,10 @@ def _input(n, dtype, rank, seed, backward):
 
 def exactness_worker(rank: int, world: int, cases=CASES, calls: int = 3, group=None,
                      graph: bool = True, fused: bool | None = None,
-                     overlap: bool | None = None) -> list[dict]:
+                     overlap: str | None = None) -> list[dict]:
     """On one rank: every case through p2p and the reference; mismatch counts per tensor.
     fused True / False: the fused kernel / the stage kernels; None: by size. overlap: the
-    stage kernels' reduce and tail in one launch (None: the default)."""
+    stage kernels' reduce and tail: 'off', 'launch', 'stream' (None: p2p.overlap_mode)."""
     from echo_tp.collective.dispatch import TransportBackend
     from echo_tp.collective.p2p import P2PBackend, p2p_unavailable_reason
     from echo_tp.collective.reference import DistTransport
@@ -188,15 +188,16 @@ def _graph_case(p2p, ref, rank: int) -> dict:
 
 
 def _ranks_fn(rank: int, world: int, cases, fused: bool | str = True):
-    """fused: True (the fused kernel), False (stage kernels, reduce and tail overlapped where
-    p2p.overlap_wins), 'overlap' (always overlapped) or 'serial' (never)."""
+    """fused: True (the fused kernel), False (stage kernels, reduce and tail overlapped as
+    p2p.overlap_mode says), or an overlap mode for every call of the stage kernels ('off',
+    'launch', 'stream')."""
     import torch.distributed as dist
     for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                  ("NVSHMEM_DISABLE_NVLS", "1")):
         os.environ.setdefault(k, v)
     torch.cuda.set_device(rank)
     group = dist.new_group(backend="nccl")
-    overlap = {"serial": False, "overlap": True}.get(fused)
+    overlap = None if isinstance(fused, bool) else fused
     return exactness_worker(rank, world, cases, group=group,
                             fused=fused if isinstance(fused, bool) else False, overlap=overlap)
 
@@ -210,8 +211,8 @@ def test_unavailable_reason_is_cheap_without_gpus():
         assert reason is None or isinstance(reason, str)
 
 
-@pytest.mark.parametrize("world,fused", [(2, True), (2, "overlap"), (2, "serial"), (4, True),
-                                         (4, "overlap"), (4, "serial")])
+@pytest.mark.parametrize("world,fused", [(2, True), (2, "off"), (2, "launch"), (2, "stream"),
+                                         (4, True), (4, "off"), (4, "launch"), (4, "stream")])
 def test_p2p_bit_identical_to_nccl_reference(world, fused):
     if torch.cuda.device_count() < world:
         pytest.skip(NEEDS.format(world))

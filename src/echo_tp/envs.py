@@ -109,9 +109,13 @@ def defer_output() -> bool:
     return _bool("ECHO_DEFER_OUTPUT", True)
 
 
-def p2p_overlap() -> bool | None:
-    """ECHO_P2P_OVERLAP: how the p2p stage kernels run reduce and tail: 1 = one overlapped
-    launch (the tails of early tiles beside the reduces of later ones), 0 = one after the
-    other, auto (default) = where measured faster (p2p.overlap_wins)."""
-    v = _choice("ECHO_P2P_OVERLAP", "auto", ("auto", "0", "1"))
-    return None if v == "auto" else v == "1"
+def p2p_overlap() -> str | None:
+    """ECHO_P2P_OVERLAP: how the p2p stage kernels run reduce and tail: 'off' = one after the
+    other; 'launch' = one launch, the tails of early tiles beside the reduces of later ones;
+    'stream' = the tail as a few persistent programs on a second stream beside the reduce;
+    'auto' (default) = as measured fastest (p2p.overlap_mode)."""
+    v = _choice("ECHO_P2P_OVERLAP", "auto", ("auto",) + OVERLAP_MODES)
+    return None if v == "auto" else v
+
+
+OVERLAP_MODES = ("off", "launch", "stream")

@@ -12,8 +12,8 @@ current stream and without a host synchronization, either
     epoch += 1 (device)  ->  entry (quantize + push)  ->  reduce (owner sum, requantize, push to
         all, y of the own segment)  ->  tail (decode the other owners' packets into y;
         output-residual state update): the stage kernels, which keep more bytes in flight on
-        large messages; reduce and tail run as one overlapped launch where that measured
-        faster (`overlap_wins`: 8-bit uncompensated).
+        large messages; reduce and tail overlap (one launch, or the tail on a second stream)
+        where that measured faster (`overlap_mode`).
 
 Launches after the first of each specialization skip triton's JIT dispatch
 (allreduce_kernels.launch). Backward calls with grad_scaling add one kernel for the local max
@@ -113,17 +113,25 @@ OVERLAP_LAG_PER_SM = 8
 """reduce_tail_kernel: tails trail the reduces by this many tiles per SM (more than the
 reduces a GPU has in flight at once), so a tail mostly finds its tile reduced on every rank
 instead of spinning in a slot a reduce could use. 2026-11-30, 2 H200s, 8-bit 1 GiB: lag 264
-tiles 1.88x NCCL, 1024 1.92x, 4096 1.84x (-allreduce-P2-overlap.json)."""
+tiles 1.88x NCCL, 1024 1.92x, 4096 1.84x (-allreduce-P2-overlap-lag*.json)."""
 
 
-def overlap_wins(cfg: EchoConfig) -> bool:
-    """Whether the stage kernels run reduce and tail overlapped (`CallPlan.reduce_tail`) for
-    this config. Measured 2026-11-30 on 2 H200s (docs/results/2026-11-30-p2p-x2-r4.md), 64 MiB
-    to 1 GiB: 8-bit uncompensated 1.97-2.05x NCCL overlapped vs 1.78-1.86x serial; 4-bit
-    uncompensated 2.67-2.75x vs 2.76-2.81x from 256 MiB; compensated (bf16 state) 1.76-1.83x
-    vs 1.82-1.86x. One kernel runs both stages at the larger stage's register count, so the
-    HBM-bound tail loses occupancy; only the 8-bit reduce is long enough to hide it."""
-    return cfg.bits == 8 and not cfg.compensated
+TAIL_PROGRAMS_PER_SM = 2
+"""Overlap 'stream': programs of the persistent tail per SM. Few enough that the reduce always
+finds SM slots (its programs wait on nothing the tail produces), enough to decode y at HBM
+speed within the reduce's link time."""
+
+
+def overlap_mode(cfg: EchoConfig) -> str:
+    """How the stage kernels run reduce and tail for this config (envs.OVERLAP_MODES):
+    'off' (reduce, then tail), 'launch' (`CallPlan.reduce_tail`: one kernel) or 'stream'
+    (`CallPlan.tail_loop` on a second stream). Measured 2026-11-30 on 2 H200s
+    (docs/results/2026-11-30-p2p-x2-r4.md), 64 MiB to 1 GiB: 'launch' 8-bit uncompensated
+    1.97-2.05x NCCL vs 1.78-1.86x 'off'; 4-bit uncompensated 2.67-2.75x vs 2.76-2.81x from
+    256 MiB; compensated (bf16 state) 1.76-1.83x vs 1.82-1.86x: one kernel runs both stages at
+    the larger stage's register count, so the HBM-bound tail loses occupancy; only the 8-bit
+    reduce is long enough to hide it."""
+    return "launch" if cfg.bits == 8 and not cfg.compensated else "off"
 
 
 def tile_shape(seg: int, compensated: bool, fused: bool) -> tuple[int, int]:
@@ -256,7 +264,8 @@ class P2PBackend:
                  fused: bool | None = None,
                  programs_per_sm: int = 4,
                  fused_max_bytes: int | None = None, defer_output: bool | None = None,
-                 overlap: bool | None = None, overlap_lag: int | None = None):
+                 overlap: str | None = None, overlap_lag: int | None = None,
+                 tail_programs_per_sm: int = TAIL_PROGRAMS_PER_SM):
         from ..kernels import allreduce_kernels as ak
         from ..kernels import flags
         self._ak, self._flags = ak, flags
@@ -302,9 +311,18 @@ class P2PBackend:
         update then runs in the call's last kernel). Contract: the caller does not write x in
         place before its next call (the update re-reads x; y it decodes again itself)."""
         self.overlap = envs.p2p_overlap() if overlap is None else overlap
-        """Stage kernels: True = reduce and tail as one launch (`CallPlan.reduce_tail`), the
-        tails of tile t beside the reduces of tiles t + overlap_lag on (the tail is HBM-bound,
-        the reduce link-bound); False = reduce, then tail; None = `overlap_wins`."""
+        """Stage kernels, how reduce and tail run (the tail is HBM-bound, the reduce
+        link-bound): 'launch' = one launch (`CallPlan.reduce_tail`), the tails of tile t beside
+        the reduces of tiles t + overlap_lag on; 'stream' = the tail as `tail_programs_per_sm`
+        persistent programs per SM on `tail_stream`; 'off' = reduce, then tail; None =
+        `overlap_mode`."""
+        if self.overlap not in (None, *envs.OVERLAP_MODES):
+            raise ValueError(f"overlap must be one of {envs.OVERLAP_MODES} or None, "
+                             f"not {self.overlap!r}")
+        self.tail_programs = tail_programs_per_sm * \
+            torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.tail_stream: torch.cuda.Stream | None = None
+        self._tail_events: tuple | None = None
         self.overlap_lag = OVERLAP_LAG_PER_SM * \
             torch.cuda.get_device_properties(self.device).multi_processor_count \
             if overlap_lag is None else overlap_lag
@@ -382,21 +400,41 @@ class P2PBackend:
         plan.entry()
         if ev:
             ev[1].record()
-        overlap = self.overlap if self.overlap is not None else overlap_wins(cfg)
-        if overlap:                     # reduce + tail in one launch (events 2, 3: its end)
+        mode = self.overlap or overlap_mode(cfg)
+        if mode == "launch":            # reduce + tail in one launch (events 2, 3: its end)
             self._with_timer_fallback(plan, lambda: plan.reduce_tail(y, ws.ticket,
                                                                      self.overlap_lag))
+        elif mode == "stream":
+            self._reduce_beside_tail(plan, y)
         else:
             self._with_timer_fallback(plan, lambda: plan.reduce(y))
         if ev:
             ev[2].record()
-        if not overlap:
+        if mode == "off":
             self._with_timer_fallback(plan, lambda: plan.tail(y))
         if ev:
             ev[3].record()
         if defer:
             self._update_on_side_stream(plan, x, state, fs)
         return y, None
+
+    def _reduce_beside_tail(self, plan, y: torch.Tensor) -> None:
+        """Overlap 'stream': after the entry, the reduce on the current stream and the
+        persistent tail on `tail_stream`, which waits for the entry and is waited for before
+        the call returns (so everything the tail touches is ordered before the caller's next
+        work: no allocator hand-off needed). Inside CUDA graph capture this is a fork/join."""
+        main = torch.cuda.current_stream(self.device)
+        if self.tail_stream is None:
+            self.tail_stream = torch.cuda.Stream(self.device)
+            self._tail_events = (torch.cuda.Event(), torch.cuda.Event())
+        forked, joined = self._tail_events
+        forked.record(main)
+        self._with_timer_fallback(plan, lambda: plan.reduce(y))   # queued first
+        self.tail_stream.wait_event(forked)
+        with torch.cuda.stream(self.tail_stream):
+            self._with_timer_fallback(plan, lambda: plan.tail_loop(y, self.tail_programs))
+        joined.record(self.tail_stream)
+        main.wait_event(joined)
 
     def _update_on_side_stream(self, plan, x: torch.Tensor, state: CompState,
                                fs: torch.Tensor | None) -> None:

@@ -15,7 +15,8 @@ y and the compensator state are bit-identical). Per rank r, with P ranks, segmen
   tail   (grid tiles x P, or P-1 owners with OWN_Y)    wait gath[j][t]; decode;
          y = cast(y32 [/ 2^e]); residual 'output': u = x' - y/P and the m1, m2 update.
   reduce_tail: reduce and tail in one launch, the tails trailing the reduces by `lag` tiles
-         (work items in ticket order); used where it measured faster (p2p.overlap_wins).
+         (work items in ticket order); or the tail as a few persistent programs on a second
+         stream beside the reduce (tail_loop_kernel); as measured fastest (p2p.overlap_mode).
 
 Every rank owns one byte buffer (`Layout`), symmetric across ranks; `table` [P+1] int64 holds the
 P buffers' addresses as seen from this rank, then the address of its error record. The same
@@ -381,6 +382,34 @@ def tail_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, epoch_ptr, table_ptr,
 
 
 @triton.jit
+def tail_loop_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, epoch_ptr, table_ptr,
+                     n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
+                     eta, a, oma, b1, omb1, b2, omb2,
+                     RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr,
+                     BG: tl.constexpr, SG: tl.constexpr, GS: tl.constexpr,
+                     BITS: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr,
+                     PF: tl.constexpr, COMP: tl.constexpr, SCALED: tl.constexpr,
+                     OUTPUT: tl.constexpr, USE_TIMER: tl.constexpr, FIRST: tl.constexpr):
+    """tail_kernel as a few persistent programs (grid (G,), G small), run on a second stream
+    beside reduce_kernel: program c decodes items c, c+G, ... in tile order, item i = tile
+    i // NT of owner RANK+FIRST+(i mod NT), NT = P - FIRST, i.e.
+
+        for i in range(c, tiles * NT, G): _tail_tile(i // NT, (RANK + FIRST + i % NT) % P)
+
+    Its programs wait for tiles the reduce is still producing; being few (and the reduce's
+    programs needing no tail to finish), they never keep the reduce from the SMs."""
+    NT: tl.constexpr = P - FIRST
+    ep = tl.load(epoch_ptr)
+    i = tl.program_id(0)
+    while i < tiles * NT:
+        _tail_tile(i // NT, (RANK + FIRST + i % NT) % P, ep, x_ptr, m1_ptr, m2_ptr, y_ptr,
+                   fs_ptr, table_ptr, n, seg, groups, slot, scale_off, zero_off, flags_off,
+                   tiles, timeout, eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG,
+                   GS, BITS, QUANT, QMAX, PF, COMP, SCALED, OUTPUT, USE_TIMER)
+        i += tl.num_programs(0)
+
+
+@triton.jit
 def _ticket_item(k, tiles, lag, RANK: tl.constexpr, P: tl.constexpr, FIRST: tl.constexpr):
     """Work item of ticket k of `reduce_tail_kernel` -> (is_reduce, tile t, owner j). With
     NT = P - FIRST tails per tile (owners RANK+FIRST, ..., mod P), the order is: the reduce of
@@ -698,6 +727,16 @@ class CallPlan:
                (*ptrs, y, self._fs(), self.epoch, self.table, *scal, self.timeout, *consts),
                dict(**meta, **self._deferred(per["tail"]), USE_TIMER=self.use_timer,
                     UPDATE_ONLY=False, FIRST=first, num_warps=self.num_warps))
+
+    def tail_loop(self, y: torch.Tensor, programs: int) -> None:
+        """tail(y) as `programs` persistent programs (`tail_loop_kernel`), for a second
+        stream beside reduce(y): same result, its waits overlap the reduce."""
+        ptrs, scal, consts, meta, per = self._parts
+        first = int(self.own_y)
+        launch(tail_loop_kernel, (max(1, programs),),
+               (*ptrs, y, self._fs(), self.epoch, self.table, *scal, self.timeout, *consts),
+               dict(**meta, **self._deferred(per["tail"]), USE_TIMER=self.use_timer,
+                    FIRST=first, num_warps=self.num_warps))
 
     def output_update(self) -> None:
         """The output-residual state update of a call whose tail/fused kernel ran with

@@ -23,12 +23,16 @@ class SimulatedFused:
     persist across calls, as on GPUs."""
 
     def __init__(self, world_size: int, tile_elems: int = TILE_ELEMS, timeout_polls: int = 1000,
-                 step_elems: int = STEP_ELEMS, num_warps: int = 4):
+                 step_elems: int = STEP_ELEMS, num_warps: int = 4,
+                 tail_programs: int | None = None):
         self.world_size = world_size
         self.tile_elems = tile_elems
         self.step_elems = step_elems
         self.num_warps = num_warps
         self.timeout = timeout_polls
+        self.tail_programs = tail_programs
+        """None: the tail stage as tail_kernel; else tail_loop_kernel with this many programs
+        (P2PBackend's overlap 'stream')."""
         self._ws: dict = {}
 
     def workspace(self, n: int, spec: QuantSpec, device) -> dict:
@@ -70,6 +74,8 @@ class SimulatedFused:
             for r in range(P):
                 if stage == "entry":
                     plans[r].entry()
+                elif stage == "tail" and self.tail_programs:
+                    plans[r].tail_loop(y[r], self.tail_programs)
                 else:
                     getattr(plans[r], stage)(y[r])
         if defer_output and "tail" in stages:
