@@ -116,10 +116,15 @@ instead of spinning in a slot a reduce could use. 2026-11-30, 2 H200s, 8-bit 1 G
 tiles 1.88x NCCL, 1024 1.92x, 4096 1.84x (-allreduce-P2-overlap-lag*.json)."""
 
 
-TAIL_PROGRAMS_PER_SM = 2
-"""Overlap 'stream': programs of the persistent tail per SM. Few enough that the reduce always
-finds SM slots (its programs wait on nothing the tail produces), enough to decode y at HBM
-speed within the reduce's link time."""
+TAIL_PROGRAMS_PER_SM = 1
+"""Overlap 'stream': programs of the persistent tail per SM (4 warps each). The tail's programs
+spin on flags the reduce sets, so the reduce must always find an SM slot, whatever order the
+GPU starts the two kernels' programs in: a 4-warp program holds at most 128 x 255 registers,
+half an SM, so with one tail program per SM either every SM keeps half its registers free or
+some SM has no tail program at all, and a reduce program (also 4 warps) always fits. The
+reduce is also queued before the tail (streams share the GPU's hardware queues: a reduce
+queued behind a spinning tail can wait forever; on one H200, 3 simulated ranks whose tails
+were launched first stalled until the flag timeout). Not timed yet (no 2-GPU machine since)."""
 
 
 def overlap_mode(cfg: EchoConfig) -> str:
@@ -424,6 +429,8 @@ class P2PBackend:
         the call returns (so everything the tail touches is ordered before the caller's next
         work: no allocator hand-off needed). Inside CUDA graph capture this is a fork/join."""
         main = torch.cuda.current_stream(self.device)
+        if self.num_warps not in (None, 4):
+            raise ValueError("overlap 'stream' needs 4-warp programs (TAIL_PROGRAMS_PER_SM)")
         if self.tail_stream is None:
             self.tail_stream = torch.cuda.Stream(self.device)
             self._tail_events = (torch.cuda.Event(), torch.cuda.Event())
