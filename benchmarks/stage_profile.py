@@ -71,7 +71,8 @@ def stage_times(P: int, n: int, name: str, tile: int, warps: int, reps: int,
         torch.cuda.synchronize()
     out = {"P": P, "numel": n, "config": name, "tile": tile, "warps": warps,
            "step": step or tile}
-    share = {"entry": n * (P - 1) / P, "reduce": n / P, "tail": n}
+    tail_share = n * (P - 1) / P if plans[0].own_y else n     # the reduce wrote the own y
+    share = {"entry": n * (P - 1) / P, "reduce": n / P, "tail": tail_share}
     for stage in ("entry", "reduce", "tail"):
         run = plans[0].entry if stage == "entry" else \
             (lambda f=getattr(plans[0], stage): f(y[0]))

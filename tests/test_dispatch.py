@@ -31,16 +31,20 @@ def test_crossover_table(monkeypatch):
 
 
 def test_overlap_policy(monkeypatch):
-    """reduce and tail overlap only where measured faster (one launch: 8-bit uncompensated);
-    ECHO_P2P_OVERLAP forces a mode."""
+    """reduce and tail overlap only where measured faster (one launch: uncompensated 8-bit,
+    and 4-bit up to 128 MiB); ECHO_P2P_OVERLAP forces a mode."""
     from echo_tp import envs
     from echo_tp.config import EchoConfig
-    mode = p2p.overlap_mode
-    assert mode(EchoConfig(bits=8, eta=0.0)) == "launch"
-    assert mode(EchoConfig(bits=4, eta=0.0)) == "off"
-    assert mode(EchoConfig(bits=8)) == "off"                            # compensated
+    mode, MB = p2p.overlap_mode, 1 << 20
+    assert mode(EchoConfig(bits=8, eta=0.0), 1024 * MB) == "launch"
+    assert mode(EchoConfig(bits=4, eta=0.0), 64 * MB) == "launch"      # one launch fewer
+    assert mode(EchoConfig(bits=4, eta=0.0), 128 * MB) == "launch"
+    assert mode(EchoConfig(bits=4, eta=0.0), 256 * MB) == "off"        # the tail's occupancy
+    assert mode(EchoConfig(bits=8), 1024 * MB) == "off"                 # compensated
+    assert mode(EchoConfig(bits=4), 64 * MB) == "off"
     for cfg in (EchoConfig(bits=b, eta=e) for b in (4, 8) for e in (0.0, 0.75)):
-        assert mode(cfg) in envs.OVERLAP_MODES
+        for nbytes in (MB, 1024 * MB):
+            assert mode(cfg, nbytes) in envs.OVERLAP_MODES
     monkeypatch.delenv("ECHO_P2P_OVERLAP", raising=False)
     assert envs.p2p_overlap() is None
     for v in envs.OVERLAP_MODES:

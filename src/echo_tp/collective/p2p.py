@@ -112,8 +112,9 @@ tensor, 1024-value steps) 1 GiB 2.96 ms at 1024-value tiles, 1.79 at 16384."""
 OVERLAP_LAG_PER_SM = 8
 """reduce_tail_kernel: tails trail the reduces by this many tiles per SM (more than the
 reduces a GPU has in flight at once), so a tail mostly finds its tile reduced on every rank
-instead of spinning in a slot a reduce could use. 2026-11-30, 2 H200s, 8-bit 1 GiB: lag 264
-tiles 1.88x NCCL, 1024 1.92x, 4096 1.84x (-allreduce-P2-overlap-lag*.json)."""
+instead of spinning in a slot a reduce could use. 2026-11-30, 2 H200s, 8-bit 1 GiB (before
+the reduce wrote the own y): lag 264 tiles 1.88x NCCL, 1024 1.92x, 4096 1.84x
+(-allreduce-P2-overlap-lag*.json)."""
 
 
 TAIL_PROGRAMS_PER_SM = 1
@@ -127,16 +128,27 @@ queued behind a spinning tail can wait forever; on one H200, 3 simulated ranks w
 were launched first stalled until the flag timeout). Not timed yet (no 2-GPU machine since)."""
 
 
-def overlap_mode(cfg: EchoConfig) -> str:
-    """How the stage kernels run reduce and tail for this config (envs.OVERLAP_MODES):
-    'off' (reduce, then tail), 'launch' (`CallPlan.reduce_tail`: one kernel) or 'stream'
-    (`CallPlan.tail_loop` on a second stream). Measured 2026-11-30 on 2 H200s
-    (docs/results/2026-11-30-p2p-x2-r4.md), 64 MiB to 1 GiB: 'launch' 8-bit uncompensated
-    1.97-2.05x NCCL vs 1.78-1.86x 'off'; 4-bit uncompensated 2.67-2.75x vs 2.76-2.81x from
-    256 MiB; compensated (bf16 state) 1.76-1.83x vs 1.82-1.86x: one kernel runs both stages at
-    the larger stage's register count, so the HBM-bound tail loses occupancy; only the 8-bit
-    reduce is long enough to hide it."""
-    return "launch" if cfg.bits == 8 and not cfg.compensated else "off"
+OVERLAP_LAUNCH_MAX_BYTES: dict[int, int | None] = {4: 128 << 20, 8: None}
+"""Uncompensated calls by bits -> the largest message (bytes per rank) run in overlap mode
+'launch' (None: every size). 2026-11-30, 2 H200s (docs/results/2026-11-30-p2p-x2-r4.md,
+medians of 50 calls): 8-bit 1.97-2.05x NCCL vs 1.78-1.86x 'off' from 128 MiB (1.87x vs 0.69x
+at 64 MiB, an outlier of 'off'); 4-bit at 64 MiB ahead in all three runs (1.72 vs 1.62x,
+2.18 vs 1.60x, 1.49-1.54 vs 1.38x: one launch fewer), even at 128 MiB (2.46-2.72x vs
+2.45-2.63x), behind from 256 MiB (2.67-2.75x vs 2.76-2.81x). Compensated calls: 'off'
+(bf16 one state tensor 1.76-1.83x vs 1.82-1.86x from 128 MiB; 64 MiB mixed)."""
+
+
+def overlap_mode(cfg: EchoConfig, nbytes: int) -> str:
+    """How the stage kernels run reduce and tail for a call of `nbytes` bytes per rank
+    (envs.OVERLAP_MODES): 'off' (reduce, then tail), 'launch' (`CallPlan.reduce_tail`: one
+    kernel) or 'stream' (`CallPlan.tail_loop` on a second stream; not timed yet, never
+    chosen here). One kernel runs both stages at the larger stage's register count, so the
+    HBM-bound tail loses occupancy; it pays where the reduce is long (8-bit) or the launch
+    saved matters (4-bit up to 128 MiB): OVERLAP_LAUNCH_MAX_BYTES."""
+    if cfg.compensated or cfg.bits not in OVERLAP_LAUNCH_MAX_BYTES:
+        return "off"
+    cap = OVERLAP_LAUNCH_MAX_BYTES[cfg.bits]
+    return "launch" if cap is None or nbytes <= cap else "off"
 
 
 def tile_shape(seg: int, compensated: bool, fused: bool) -> tuple[int, int]:
@@ -324,6 +336,8 @@ class P2PBackend:
         if self.overlap not in (None, *envs.OVERLAP_MODES):
             raise ValueError(f"overlap must be one of {envs.OVERLAP_MODES} or None, "
                              f"not {self.overlap!r}")
+        if self.overlap == "stream" and num_warps not in (None, 4):
+            raise ValueError("overlap 'stream' needs 4-warp programs (TAIL_PROGRAMS_PER_SM)")
         self.tail_programs = tail_programs_per_sm * \
             torch.cuda.get_device_properties(self.device).multi_processor_count
         self.tail_stream: torch.cuda.Stream | None = None
@@ -405,7 +419,7 @@ class P2PBackend:
         plan.entry()
         if ev:
             ev[1].record()
-        mode = self.overlap or overlap_mode(cfg)
+        mode = self.overlap or overlap_mode(cfg, x.numel() * x.element_size())
         if mode == "launch":            # reduce + tail in one launch (events 2, 3: its end)
             self._with_timer_fallback(plan, lambda: plan.reduce_tail(y, ws.ticket,
                                                                      self.overlap_lag))
@@ -429,8 +443,6 @@ class P2PBackend:
         the call returns (so everything the tail touches is ordered before the caller's next
         work: no allocator hand-off needed). Inside CUDA graph capture this is a fork/join."""
         main = torch.cuda.current_stream(self.device)
-        if self.num_warps not in (None, 4):
-            raise ValueError("overlap 'stream' needs 4-warp programs (TAIL_PROGRAMS_PER_SM)")
         if self.tail_stream is None:
             self.tail_stream = torch.cuda.Stream(self.device)
             self._tail_events = (torch.cuda.Event(), torch.cuda.Event())
