@@ -18,10 +18,10 @@ bf16-equivalent bytes: 2 (P-1)/P * bytes / time (the nccl-tests convention).
 Suffixes: '@...' a p2p launch shape (ppsK, wK, tK, sK; d0 = output-residual update inside the
 call instead of deferred to a side stream; o0 = reduce then tail, o1 = overlapped in one
 launch, o2 = the tail on a second stream beside the reduce; lK = tails K tiles behind the
-reduces; gK = K persistent tail programs per SM with o2); '+mm' each call preceded by a bf16 matmul with an
-output of the message's size, the matmul's own time subtracted (the paper's timing of the fused
-output residual, whose deferred update runs beside that matmul); +mm rows compare with
-nccl16+mm.
+reduces; gK = K persistent tail programs per SM with o2); '+mm' each call preceded by a bf16
+matmul with an output of the message's size, the matmul's own time subtracted (the paper's
+timing of the fused output residual, whose deferred update runs beside that matmul); +mm rows
+compare with nccl16+mm.
 Writes allreduce_P{P}.json and allreduce_P{P}.md to --out.
 """
 from __future__ import annotations

@@ -6,8 +6,8 @@ set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src ECHO_FLAG_TIMEOUT_S=20
 nvidia-smi -L; nvidia-smi topo -m | head -10
-# 1. exactness at P=8: the exactness worker (fused kernel; stage kernels serial and
-#    overlapped) on 8 ranks
+# 1. exactness at P=8: the exactness worker on 8 ranks (fused kernel; stage kernels with
+#    reduce and tail serial, in one launch, and on two streams)
 timeout 280 python3 - > $OUT/exact_p8.txt 2>&1 <<'PY'
 import sys
 sys.path[:0] = ["tests", "benchmarks"]

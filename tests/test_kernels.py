@@ -228,7 +228,8 @@ def test_fused_tile_in_steps_matches_reference(P, bits, residual, sdtype, backwa
 
 @pytest.mark.parametrize("P,residual,defer,programs", [(2, "local", False, 1),
                                                        (3, "output", False, 2),
-                                                       (4, "output", True, 5)])
+                                                       (4, "output", True, 5),
+                                                       (8, "local", False, 3)])   # issue #7
 def test_tail_loop_matches_reference(P, residual, defer, programs):
     """The tail as a few persistent programs (overlap 'stream'): each walks (tile, owner)
     items in steps of `programs`; P-1 owners when the reduce wrote the own y (local, or the

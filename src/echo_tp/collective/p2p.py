@@ -135,7 +135,8 @@ medians of 50 calls): 8-bit 1.97-2.05x NCCL vs 1.78-1.86x 'off' from 128 MiB (1.
 at 64 MiB, an outlier of 'off'); 4-bit at 64 MiB ahead in all three runs (1.72 vs 1.62x,
 2.18 vs 1.60x, 1.49-1.54 vs 1.38x: one launch fewer), even at 128 MiB (2.46-2.72x vs
 2.45-2.63x), behind from 256 MiB (2.67-2.75x vs 2.76-2.81x). Compensated calls: 'off'
-(bf16 one state tensor 1.76-1.83x vs 1.82-1.86x from 128 MiB; 64 MiB mixed)."""
+(bf16 one state tensor 1.76-1.83x vs 1.82-1.86x from 128 MiB; 64 MiB mixed). Measured at
+P=2 only; other P use the same table."""
 
 
 def overlap_mode(cfg: EchoConfig, nbytes: int) -> str:
