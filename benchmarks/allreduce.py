@@ -3,8 +3,8 @@
     python benchmarks/allreduce.py --world 4 --out out/           # spawns 4 NCCL ranks
 
 Per message size (bf16 bytes per GPU) and method: warm-up, then `iters` back-to-back calls
-(at least 300 up to 4 MiB) each bracketed by CUDA events; the median per rank, the max over ranks reported. Methods:
-nccl16 (dist.all_reduce, in place), oneshot16 (the 16-bit one-shot kernel, in place, small
+(at least 300 up to 4 MiB) each bracketed by CUDA events; the median per rank, the max over
+ranks reported. Methods: nccl16 (dist.all_reduce, in place), oneshot16 (the 16-bit one-shot kernel, in place, small
 sizes), ref4/ref8 (reference backend, uncompensated), p2p8/p2p4 (uncompensated, the backend's
 choice of fused or stage kernels), p2p4-staged (always the three stage kernels), p2p4c-out /
 p2p4c-loc (4-bit compensated, residual output / local; -staged: three kernels; -bf16: bf16
@@ -267,6 +267,8 @@ def bench_worker(rank: int, world: int, sizes=SIZES, methods=METHODS, iters: int
                     if variant:
                         if method not in variants:
                             import re
+
+                            from echo_tp import envs
                             kw = dict(p2p_kwargs,
                                       fused=False if base.endswith("-staged") else None)
                             for k, v in re.findall(r"(pps|w|t|s|d|o|l|g)(\d+)", variant):
@@ -275,7 +277,7 @@ def bench_worker(rank: int, world: int, sizes=SIZES, methods=METHODS, iters: int
                                 elif k == "d":            # d0: output-residual update inline
                                     kw["defer_output"] = bool(int(v))
                                 elif k == "o":            # o0 off, o1 launch, o2 stream
-                                    kw["overlap"] = ("off", "launch", "stream")[int(v)]
+                                    kw["overlap"] = envs.OVERLAP_MODES[int(v)]
                                 elif k == "l":            # lK: tails K tiles behind
                                     kw["overlap_lag"] = int(v)
                                 elif k == "g":            # gK: o2's tail programs per SM

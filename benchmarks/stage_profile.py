@@ -3,7 +3,8 @@
 P simulated ranks live on one GPU (kernels/simulated_fused.py layout: P byte buffers, real
 flags). One full call sets every flag; then each stage kernel of rank 0 is re-launched alone
 (its waits pass at once: the flags already hold the epoch) and timed with CUDA events, median
-of --reps. Values per second are per stage (entry: (P-1)/P n values, reduce: n/P, tail: n).
+of --reps. Values per second are per stage (entry: (P-1)/P n values, reduce: n/P, tail: n, or
+(P-1)/P n when the reduce wrote the own segment's y).
 Compare with the all-reduce benchmark's times on P GPUs to see how far the link and the
 stage serialization add on top.
 

@@ -12,6 +12,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from harness import bits_differ  # noqa: E402
 
 from echo_tp.kernels import oneshot_kernels as ok  # noqa: E402
 from echo_tp.kernels.flags import describe_error  # noqa: E402
@@ -62,9 +63,8 @@ def test_oneshot_concurrent_ranks_match_reference(P, programs):
     for call, (x, y) in enumerate(zip(xs, ys)):
         want = ok.oneshot_reference(list(x.unbind(0)))
         for r in range(P):
-            ints = torch.int32 if want.dtype == torch.float32 else torch.int16
-            same = (y[r].view(ints) == want.view(ints)) | (y[r].isnan() & want.isnan())
-            assert bool(same.all()), f"call {call} rank {r}: {int((~same).sum())} differ"
+            bad = bits_differ(y[r], want)
+            assert not bool(bad.any()), f"call {call} rank {r}: {int(bad.sum())} differ"
         if x.dtype != torch.float32:           # fp32 accumulation, one rounding
             exact = x.double().sum(0)
             err = (y[0].double() - exact).abs()

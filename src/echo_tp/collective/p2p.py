@@ -339,13 +339,11 @@ class P2PBackend:
                              f"not {self.overlap!r}")
         if self.overlap == "stream" and num_warps not in (None, 4):
             raise ValueError("overlap 'stream' needs 4-warp programs (TAIL_PROGRAMS_PER_SM)")
-        self.tail_programs = tail_programs_per_sm * \
-            torch.cuda.get_device_properties(self.device).multi_processor_count
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.tail_programs = tail_programs_per_sm * sms
         self.tail_stream: torch.cuda.Stream | None = None
         self._tail_events: tuple | None = None
-        self.overlap_lag = OVERLAP_LAG_PER_SM * \
-            torch.cuda.get_device_properties(self.device).multi_processor_count \
-            if overlap_lag is None else overlap_lag
+        self.overlap_lag = OVERLAP_LAG_PER_SM * sms if overlap_lag is None else overlap_lag
         """Tiles the tails trail the reduces by (see OVERLAP_LAG_PER_SM)."""
         self.side_stream: torch.cuda.Stream | None = None
         self._pending: torch.cuda.Event | None = None

@@ -706,7 +706,8 @@ class CallPlan:
         tail decodes only the P-1 other owners' packets: a 1/P of the tail's HBM traffic moves
         into the link-bound reduce. Not when the tail updates the output-residual state,
         which needs every element there."""
-        return not (self._parts[4]["tail"]["OUTPUT"] and not self.defer_output)
+        per = self._parts[-1]                             # constexprs by kernel
+        return not (per["tail"]["OUTPUT"] and not self.defer_output)
 
     def reduce(self, y: torch.Tensor) -> None:
         ptrs, scal, consts, meta, per = self._parts
