@@ -10,10 +10,11 @@ choice of fused or stage kernels), p2p4-staged (always the three stage kernels),
 p2p4c-loc (4-bit compensated, residual output / local; -staged: three kernels; -bf16: bf16
 compensator state; -single: beta1 = beta2 = 0, one state tensor), p2p4c-out-unfused (the
 compensator as separate torch ops around the uncompensated p2p call, on fp32 x'), p2p4-graph
-(p2p4 replayed from a CUDA graph, small sizes), auto4 / auto4c / auto4c-bf16-single
-(EchoCommunicator with backend='auto': 4-bit uncompensated / compensated with the local residual
-/ the same with one bf16 state tensor; in place like nccl16: what a TP layer gets, the dispatch
-picking one-shot, p2p or the plain bf16 all-reduce per size). Bus bandwidth uses
+(p2p4 replayed from a CUDA graph, small sizes), auto4 / auto4c / auto4c-fp32
+(EchoCommunicator with backend='auto': 4-bit uncompensated / the default compensated config,
+one bf16 state tensor / the paper's fp32 two-timescale pair, local residual; in place like
+nccl16: what a TP layer gets, the dispatch picking one-shot, p2p or the plain bf16 all-reduce
+per size). The p2p4c methods use eta 0.75 and, unless -single, the paper's betas 0.7/0.3. Bus bandwidth uses
 bf16-equivalent bytes: 2 (P-1)/P * bytes / time (the nccl-tests convention).
 Suffixes: '@...' a p2p launch shape (ppsK, wK, tK, sK; d0 = output-residual update inside the
 call instead of deferred to a side stream; o0 = reduce then tail, o1 = overlapped in one
@@ -43,7 +44,7 @@ SIZES = [64 << 10, 256 << 10, MB, 4 * MB, 16 * MB, 64 * MB, 128 * MB, 256 * MB, 
          1024 * MB]
 METHODS = ("nccl16", "oneshot16", "ref4", "p2p8", "p2p4", "p2p4-staged", "p2p4c-out",
            "p2p4c-out-unfused", "p2p4c-loc", "p2p4c-loc-staged", "p2p4-graph", "auto4",
-           "auto4c", "auto4c-bf16-single")
+           "auto4c", "auto4c-fp32")
 ONESHOT_MAX_BYTES = 64 * MB
 """oneshot16 (the 16-bit one-shot kernel) is timed up to this size."""
 GRAPH_MAX_BYTES = 64 * MB
@@ -187,10 +188,9 @@ def bench_worker(rank: int, world: int, sizes=SIZES, methods=METHODS, iters: int
     ref = TransportBackend(DistTransport(None))
     variants: dict = {}
     autos = {"auto4": EchoCommunicator.from_group(None, EchoConfig(bits=4, eta=0.0)),
-             "auto4c": EchoCommunicator.from_group(None, EchoConfig(bits=4, residual="local")),
-             "auto4c-bf16-single": EchoCommunicator.from_group(
-                 None, EchoConfig(bits=4, residual="local", state_dtype="bfloat16",
-                                  beta1=0.5, beta2=0.5))}
+             "auto4c": EchoCommunicator.from_group(None, EchoConfig(bits=4)),
+             "auto4c-fp32": EchoCommunicator.from_group(None,
+                                                        EchoConfig.from_name("echo4-2ts"))}
     rows = []
     broken: set = set()      # methods that failed on some rank: skipped for the other sizes
 
@@ -248,7 +248,7 @@ def bench_worker(rank: int, world: int, sizes=SIZES, methods=METHODS, iters: int
                     fn = lambda: comm.all_reduce(buf, inplace=True)   # noqa: E731
                 elif method == "p2p4c-out-unfused":     # compensator as separate torch ops
                     from echo_tp.collective.unfused import unfused_output_compensated
-                    cfg = EchoConfig(bits=4, eta=0.75, residual="output")
+                    cfg = EchoConfig.from_name("echo4-output")
                     plain = cfg.replace(eta=0.0)
                     state = CompState.zeros(n, "cuda")
                     fn = lambda: unfused_output_compensated(  # noqa: E731
@@ -291,8 +291,8 @@ def bench_worker(rank: int, world: int, sizes=SIZES, methods=METHODS, iters: int
                     single = "-single" in method          # beta1 = beta2 = 0: one state tensor
                     cfg = EchoConfig(bits=bits, eta=0.75 if comp else 0.0,
                                      residual="local" if "-loc" in method else "output",
-                                     state_dtype=sdt, **(dict(beta1=0.0, beta2=0.0) if single
-                                                         else {}))
+                                     state_dtype=sdt, beta1=0.0 if single else 0.7,
+                                     beta2=0.0 if single else 0.3)
                     state = CompState.zeros(n, "cuda", getattr(torch, sdt), compact=single) \
                         if comp else None
                     fn = lambda: be.run(x, cfg, state=state, backward=False,  # noqa: E731

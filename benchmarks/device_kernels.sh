@@ -31,7 +31,7 @@ timeout ${PYTEST_S:-150} python3 -m pytest -q -x -p no:cacheprovider tests/test_
   -k "${PYTEST_K:-2-True or 2-off or 2-launch or 2-stream}" > $OUT/pytest_p2p.txt 2>&1
 echo "p2p pytest rc=$? in $(( $(date +%s) - T0 )) s"; grep -v "^#loc" $OUT/pytest_p2p.txt | tail -4
 T0=$(date +%s)
-METHODS=${METHODS:-nccl16,p2p4,p2p4@o2,p2p8,p2p8@o2,p2p4c-loc-staged,p2p4c-loc-bf16-single,p2p4c-loc-bf16-single@o2,p2p4c-out,auto4,auto4c}
+METHODS=${METHODS:-nccl16,p2p4,p2p4@o2,p2p8,p2p8@o2,p2p4c-loc-staged,p2p4c-loc-bf16-single,p2p4c-loc-bf16-single@o2,p2p4c-out,auto4,auto4c,auto4c-fp32}
 timeout ${BENCH_S:-200} python3 benchmarks/allreduce.py --world 2 --out $OUT --iters 50 \
   --budget-s $(( ${BENCH_S:-200} - 40 )) --methods $METHODS --min-mb ${MIN_MB:-0} --stages \
   > $OUT/ar.log 2>&1

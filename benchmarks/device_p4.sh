@@ -14,7 +14,7 @@ timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_p2p_gpu.py \
 echo "pytest rc=$?"; tail -3 $OUT/pytest.txt; wait; tail -2 $OUT/pytest_kernels_gpu.txt
 # 2. all-reduce latency, every method incl. auto, 64 KB .. 1 GB
 timeout 150 python3 benchmarks/allreduce.py --world 4 --out $OUT --iters 30 --budget-s 130 \
-  --methods nccl16,oneshot16,ref4,p2p8,p2p8@o2,p2p4,p2p4@o2,p2p4-staged,p2p4c-loc,p2p4c-loc-bf16,p2p4c-loc-bf16-single,p2p4c-out,p2p4c-out-unfused,p2p4-graph,auto4,auto4c,auto4c-bf16-single \
+  --methods nccl16,oneshot16,ref4,p2p8,p2p8@o2,p2p4,p2p4@o2,p2p4-staged,p2p4c-loc,p2p4c-loc-bf16,p2p4c-loc-bf16-single,p2p4c-out,p2p4c-out-unfused,p2p4-graph,auto4,auto4c,auto4c-fp32 \
   > $OUT/ar.log 2>&1
 echo "allreduce rc=$?"; grep -A 14 "^### P=4" $OUT/ar.log
 # 3. end to end at TP=4: TTFT (1 GB and small), decode, train, background load

@@ -23,7 +23,7 @@ PY
 echo "exact rc=$?"; grep -E "fused=|Error" $OUT/exact_p8.txt | tail -4
 # 2. all-reduce latency at P=8, 64 MB .. 1 GB
 timeout 150 python3 benchmarks/allreduce.py --world 8 --out $OUT --iters 30 --budget-s 130 \
-  --min-mb 64 --methods nccl16,p2p8,p2p4,p2p4c-loc,p2p4c-loc-bf16,p2p4c-loc-bf16-single,p2p4c-out,auto4,auto4c,auto4c-bf16-single \
+  --min-mb 64 --methods nccl16,p2p8,p2p4,p2p4c-loc,p2p4c-loc-bf16,p2p4c-loc-bf16-single,p2p4c-out,auto4,auto4c,auto4c-fp32 \
   > $OUT/ar.log 2>&1
 echo "allreduce rc=$?"; grep -A 10 "^### P=8" $OUT/ar.log
 # 3. end to end at TP=8: TTFT (1 GB), train, idle and 100% background load

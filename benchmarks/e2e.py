@@ -37,8 +37,9 @@ from echo_tp.tp import parallelize, parse_comm_spec, set_comm
 
 COMMS = {"nccl16": "16", "echo4": "echo4", "echo4bf": "echo4bf",
          "echo8": "echo8", "early8": "early8"}
-"""echo4: the default config (fp32 m1, m2); echo4bf: the same with the state stored in bf16
-(half the state traffic: the compensated p2p path is faster than NCCL with it)."""
+"""echo4: the default config (one bf16 state tensor, beta1 = beta2 = 0; since 2026-11-30);
+echo4bf: the paper's two-timescale pair stored in bf16 (runs before 2026-11-30 called the
+then-default fp32 pair echo4)."""
 
 
 class IdentityComm:

@@ -178,7 +178,8 @@ def phase_single(args) -> dict:
                                           (4, 4, "zero_aware", "local", torch.bfloat16, True),
                                           (4, 8, "symmetric", "local", torch.float16, False),
                                           (3, 4, "naive", "output", torch.bfloat16, False)]:
-        cfg = EchoConfig(bits=bits, quantizer=qz, residual=resid)
+        cfg = EchoConfig(bits=bits, quantizer=qz, residual=resid, beta1=0.7, beta2=0.3,
+                         state_dtype="float32")               # the fp32 pair below
         n = 5_017 if small else 3_000_017
         sim = sf.SimulatedFused(P, timeout_polls=10**7)
         st, st_r = CompState.zeros((P, n), dev), CompState.zeros((P, n), dev)

@@ -55,7 +55,7 @@ def stage_times(P: int, n: int, name: str, tile: int, warps: int, reps: int,
     from echo_tp.config import EchoConfig
     from echo_tp.kernels.simulated_fused import SimulatedFused
     bits, resid, sdt, compact = CONFIGS[name]
-    betas = dict(beta1=0.5, beta2=0.5) if compact else {}
+    betas = dict(beta1=0.5, beta2=0.5) if compact else dict(beta1=0.7, beta2=0.3)
     cfg = EchoConfig(bits=bits, eta=1.0 if resid else 0.0, residual=resid or "local",
                      state_dtype=sdt, **betas)
     sim = SimulatedFused(P, tile_elems=tile, timeout_polls=10**7, step_elems=step or tile,

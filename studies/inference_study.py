@@ -14,18 +14,20 @@ from pathlib import Path
 
 import torch
 
-MAIN = ["16", "8", "echo8", "4", "echo4:residual=output", "echo4:residual=local",
-        "early8:residual=output", "early8:residual=local"]
-ABLATIONS = [
-    "echo4:quantizer=naive", "echo4:quantizer=symmetric", "echo4:g=256",
-    "echo4:a=1,beta1=0.4",                                   # one average, beta = 0.4
-    "echo4:eta=0.7", "echo4:eta=0.9", "echo4:eta=1.0",
-    "echo4:eta=0.7,residual=local", "echo4:eta=0.9,residual=local",
-    "echo4:eta=1.0,residual=local",
-    "echo4:a=0.25", "echo4:a=0.45",
-    "echo4:beta1=0.8,beta2=0.2", "echo4:beta1=0.6,beta2=0.4",
-]
-TELEMETRY = ["8", "4", "echo4:residual=output", "echo4:residual=local", "early8:residual=local"]
+# The 2026-11-29 study ran around the paper's setting (then the default): the preset
+# echo4-output (output residual, eta 0.75, fp32 pair, beta 0.7/0.3) is its base here, so the
+# rows keep their meaning; echo4 / early8 are today's defaults (local, eta 1, one bf16 state).
+MAIN = ["16", "8", "echo8", "4", "echo4-output", "echo4-output:residual=local",
+        "echo4-output:policy=early8", "echo4-output:residual=local,policy=early8",
+        "echo4", "early8"]
+ABLATIONS = [f"echo4-output:{a}" for a in (
+    "quantizer=naive", "quantizer=symmetric", "g=256",
+    "a=1,beta1=0.4",                                         # one average, beta = 0.4
+    "eta=0.7", "eta=0.9", "eta=1.0",
+    "eta=0.7,residual=local", "eta=0.9,residual=local", "eta=1.0,residual=local",
+    "a=0.25", "a=0.45",
+    "beta1=0.8,beta2=0.2", "beta1=0.6,beta2=0.4")]
+TELEMETRY = ["8", "4", "echo4-output", "echo4", "early8"]
 
 
 def gap_closed(ppl: dict, name: str) -> float | None:
@@ -72,11 +74,16 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--quick", action="store_true", help="main configs only")
+    ap.add_argument("--comm", action="append", default=None,
+                    help="evaluate these comm specs instead (repeatable; '16' and '4' are "
+                         "always added: the gap is measured between them)")
     a = ap.parse_args()
     from echo_tp.eval.perplexity import main as eval_main
     from echo_tp.models import load_tokens
     a.out.mkdir(parents=True, exist_ok=True)
     comms = MAIN + ([] if a.quick else ABLATIONS)
+    if a.comm:
+        comms = ["16", "4"] + [c for c in a.comm if c not in ("16", "4")]
     results = eval_main(model=a.model, data=a.data, comms=comms, context=a.context,
                         batch_size=a.batch_size, max_windows=a.max_windows, simulate=a.simulate,
                         device=a.device, dtype=a.dtype, out=str(a.out / "eval_raw.json"),

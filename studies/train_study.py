@@ -22,10 +22,10 @@ from pathlib import Path
 
 RUNS = [  # (name, comm spec, lr factor)
     ("16bit", "16", 1.0),
-    ("echo4-output", "echo4:residual=output", 1.0),
-    ("echo4-local", "echo4:residual=local", 1.0),
+    ("echo4-output", "echo4-output", 1.0),                # the paper's setting
+    ("echo4", "echo4", 1.0),                              # the default
     ("naive4", "4", 1.0),
-    ("echo4-local-lr115", "echo4:residual=local", 1.15),
+    ("echo4-lr115", "echo4", 1.15),
 ]
 MODEL, SEQ, BATCH, LR, WARMUP = "qwen3-100m-8k", 512, 16, 1e-3, 100
 DEMO = dict(model="qwen3-demo-8k", comm="16", seq=512, batch=32, lr=2e-3)
@@ -41,6 +41,15 @@ def train_cmd(*, model, comm, steps, seq, batch, lr, data, out, simulate, eval_e
             str(batch), "--lr", str(lr), "--warmup", str(min(WARMUP, steps // 10)),
             "--eval-every", str(eval_every), "--eval-batches", "20", "--out-dir", str(out),
             "--simulate", str(simulate), "--device", DEVICE, "--no-progress", "--seed", "0"]
+
+
+def parse_run(text: str) -> tuple[str, str, float]:
+    """'NAME=SPEC[@LR_FACTOR]' -> (name, comm spec, lr factor)."""
+    name, sep, rest = text.partition("=")
+    if not sep or not name or not rest:
+        raise SystemExit(f"--run {text!r}: expected NAME=SPEC[@LR_FACTOR]")
+    spec, _, f = rest.partition("@")
+    return name, spec, float(f) if f else 1.0
 
 
 def calibrate(data: Path, out: Path, steps: int = 12) -> float:
@@ -66,11 +75,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="skip calibration")
     ap.add_argument("--demo-steps", type=int, default=1500, help="0: no demo model")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run of the whole script")
+    ap.add_argument("--run", action="append", default=None, metavar="NAME=SPEC[@LR_FACTOR]",
+                    help="train these runs instead of RUNS (repeatable), e.g. "
+                         "--run 16bit=16 --run single=echo4:beta1=0,beta2=0")
     ap.add_argument("--contention", type=float, default=1.6,
                     help="slow-down of a run when GPUs host several runs at once")
     a = ap.parse_args()
     import torch
-    global MODEL, SEQ, BATCH, DEVICE
+    global MODEL, SEQ, BATCH, DEVICE, RUNS
+    if a.run:
+        RUNS = [parse_run(r) for r in a.run]
     if a.smoke:
         MODEL, SEQ, BATCH, DEVICE = "tiny-qwen3", 32, 2, "cpu"
         DEMO.update(model="tiny-qwen3", seq=32, batch=2)

@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from echo_tp import EchoConfig, SimulatedCommunicator, quant
-from harness import run_ranks
+from echo_tp import SimulatedCommunicator, quant
+from harness import run_ranks, two_timescale
 
 # fresh per session; spawned ranks inherit it through the environment
 SEED = int(os.environ.setdefault("ECHO_TEST_SEED", str(int.from_bytes(os.urandom(4), "little"))))
@@ -38,6 +38,7 @@ COMP_CONFIGS = [
     dict(bits=4, residual="local"),
     dict(bits=8, residual="local"),
     dict(bits=8, residual="output", quantizer="symmetric", group_size=256),
+    dict(bits=4, beta1=0.0, beta2=0.0, state_dtype="bfloat16"),    # = EchoConfig() (default)
 ]
 FWD_SITES, BWD_SITES, HIDDEN = 5, 3, (6, 200)
 
@@ -64,15 +65,15 @@ def _worker(rank, world_size):
     from echo_tp import EchoCommunicator
     out = {"qar": [], "comp": []}
     for case, (shape, dtype, bits, policy) in enumerate(QAR_CASES):
-        comm = EchoCommunicator.from_group(None, EchoConfig(bits=bits, quantizer=policy, eta=0.0))
+        comm = EchoCommunicator.from_group(None, two_timescale(bits=bits, quantizer=policy, eta=0.0))
         out["qar"].append(comm.all_reduce(case_input(case, rank, shape, dtype)))
     x16 = case_input(0, rank, (3, 333), torch.bfloat16)
-    out["plain16"] = EchoCommunicator.from_group(None, EchoConfig(bits=16)).all_reduce(x16)
+    out["plain16"] = EchoCommunicator.from_group(None, two_timescale(bits=16)).all_reduce(x16)
     ref = x16.clone()
     dist.all_reduce(ref)
     out["dist16"] = ref
     for i, kw in enumerate(COMP_CONFIGS):
-        comm = EchoCommunicator.from_group(None, EchoConfig(**kw), telemetry=True)
+        comm = EchoCommunicator.from_group(None, two_timescale(**kw), telemetry=True)
         res = {"fwd": [], "bwd": []}
         for direction, n, key in (("forward", FWD_SITES, "fwd"), ("backward", BWD_SITES, "bwd")):
             comm.new_pass(direction)
@@ -85,7 +86,7 @@ def _worker(rank, world_size):
         out["comp"].append(res)
     # configs that differ across ranks are refused, on every rank, with a clear error
     try:
-        EchoCommunicator.from_group(None, EchoConfig(eta=0.5 if rank == 1 else 0.75))
+        EchoCommunicator.from_group(None, two_timescale(eta=0.5 if rank == 1 else 0.75))
         out["mismatch"] = None
     except ValueError as e:
         out["mismatch"] = str(e)
@@ -136,7 +137,7 @@ def test_all_ranks_bit_identical(world):
 def test_matches_independent_spec_implementation_and_bound(world):
     P, res = world
     for c, (shape, dtype, bits, policy) in enumerate(QAR_CASES):
-        spec = EchoConfig(bits=bits, quantizer=policy).quant_spec()
+        spec = two_timescale(bits=bits, quantizer=policy).quant_spec()
         xs = [case_input(c, r, shape, dtype) for r in range(P)]
         y = res[0]["qar"][c]
         assert y.shape == xs[0].shape and y.dtype == dtype
@@ -155,7 +156,7 @@ def test_eight_bits_error_far_below_four(world):
     exact = sum(x.double() for x in xs)
     errs = {}
     for bits in (4, 8):
-        y, _ = independent_qar(xs, EchoConfig(bits=bits).quant_spec(), torch.float32)
+        y, _ = independent_qar(xs, two_timescale(bits=bits).quant_spec(), torch.float32)
         errs[bits] = float((y.double() - exact).abs().mean())
     assert errs[8] < errs[4] / 8, errs
 
@@ -169,7 +170,7 @@ def test_bits16_is_the_plain_all_reduce(world):
 def test_simulated_is_bit_identical_to_gloo(world):
     P, res = world
     for i, kw in enumerate(COMP_CONFIGS):
-        sim = SimulatedCommunicator(P, EchoConfig(**kw))
+        sim = SimulatedCommunicator(P, two_timescale(**kw))
         for direction, n, key in (("forward", FWD_SITES, "fwd"), ("backward", BWD_SITES, "bwd")):
             sim.new_pass(direction)
             for s in range(n):

@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from echo_tp import EchoConfig, SimulatedCommunicator
+from echo_tp.config import CompensatorConstants
 from echo_tp.collective.qar import compensated_all_reduce
 from echo_tp.collective.simulated import SimTransport
 from echo_tp.compensator import CompState, closed_form_corrections, mean_age
+from harness import two_timescale
 
 SEED = int(os.environ.setdefault("ECHO_TEST_SEED", str(int.from_bytes(os.urandom(4), "little"))))
 MODES = ("output", "local")
@@ -42,8 +44,8 @@ def run_sites(cfg, xs_per_site, P):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("P", (2, 4))
 def test_residuals_sum_to_minus_delta(mode, P):
-    # with beta1 = 0 the first update leaves m1 == u exactly
-    cfg = EchoConfig(bits=4, residual=mode, beta1=0.0)
+    # with beta1 = 0 the first update leaves m1 == u exactly (in an fp32 state)
+    cfg = two_timescale(bits=4, residual=mode, beta1=0.0, state_dtype="float32")
     sim = SimulatedCommunicator(P, cfg)
     x = partials(P, 1000, 1)
     y = sim.all_reduce(x)[0].double()
@@ -57,7 +59,7 @@ def test_residuals_sum_to_minus_delta(mode, P):
 @pytest.mark.parametrize("mode", MODES)
 def test_corrections_match_closed_form(mode):
     P, n, N = 4, 512, 12
-    cfg = EchoConfig(bits=4, residual=mode)
+    cfg = two_timescale(bits=4, residual=mode)
     sites = run_sites(cfg, [partials(P, n, 100 + k) for k in range(N)], P)
     deltas = torch.stack([y.double() - xp.double().sum(0) for _, xp, _, y in sites])
     C = torch.stack([c.double().sum(0) if c is not None else torch.zeros(n, dtype=torch.float64)
@@ -71,7 +73,7 @@ def test_corrections_match_closed_form(mode):
 def test_partial_sums_bounded_at_unit_gain(mode):
     P, n, N = 4, 384, 40
     x = partials(P, n, 7, spread=0.2)              # constant inputs: the adversarial sequence
-    cfg = EchoConfig(bits=4, residual=mode, eta=1.0)
+    cfg = two_timescale(bits=4, residual=mode, eta=1.0)
     sites = run_sites(cfg, [x] * N, P)
     exact = x.double().sum(0)
     rho = torch.stack([y.double() - exact for _, _, _, y in sites])
@@ -81,7 +83,7 @@ def test_partial_sums_bounded_at_unit_gain(mode):
     bound = (1 + mean_age(cfg)) * q
     assert torch.all(S.abs() <= bound * (1 + 1e-4) + 1e-5), float((S.abs() - bound).max())
     # without compensation the same sequence accumulates linearly: S_t = t * delta
-    plain = run_sites(EchoConfig(bits=4, eta=0.0), [x] * N, P)
+    plain = run_sites(two_timescale(bits=4, eta=0.0), [x] * N, P)
     rho0 = torch.stack([y.double() - exact for _, _, _, y in plain])
     S0 = rho0.cumsum(0)
     assert torch.allclose(S0[-1], N * rho0[0])
@@ -91,7 +93,7 @@ def test_partial_sums_bounded_at_unit_gain(mode):
 
 def test_state_resets_each_pass_and_directions_are_separate():
     P = 4
-    cfg = EchoConfig(bits=4)
+    cfg = two_timescale(bits=4)
     xs = [partials(P, 300, 200 + k) for k in range(3)]
     a = SimulatedCommunicator(P, cfg)
     with a.pass_scope("forward"):
@@ -113,7 +115,7 @@ def test_state_resets_each_pass_and_directions_are_separate():
 
 def test_sites_of_different_sizes_keep_separate_streams():
     P = 2
-    sim = SimulatedCommunicator(P, EchoConfig(bits=4))
+    sim = SimulatedCommunicator(P, two_timescale(bits=4))
     sim.new_pass()
     sim.all_reduce(partials(P, 256, 1))
     sim.all_reduce(partials(P, 100, 2))
@@ -125,18 +127,18 @@ def test_sites_of_different_sizes_keep_separate_streams():
 
 
 def test_zero_gain_and_16_bits_leave_no_state():
-    sim = SimulatedCommunicator(2, EchoConfig(bits=4, eta=0.0))
+    sim = SimulatedCommunicator(2, two_timescale(bits=4, eta=0.0))
     sim.new_pass()
     sim.all_reduce(partials(2, 256, 1))
     assert not sim.passes["forward"].streams
-    sim16 = SimulatedCommunicator(2, EchoConfig(bits=16))
+    sim16 = SimulatedCommunicator(2, two_timescale(bits=16))
     x = partials(2, 256, 1).float()
     assert torch.equal(sim16.all_reduce(x)[0], x[0] + x[1])
 
 
 def test_per_site_bits_override():
     P = 2
-    sim = SimulatedCommunicator(P, EchoConfig(bits=4, eta=0.0))
+    sim = SimulatedCommunicator(P, two_timescale(bits=4, eta=0.0))
     x = partials(P, 1024, 5).float()
     exact = x.sum(0)
     e4 = (sim.all_reduce(x, bits=4)[0] - exact).abs().mean()
@@ -147,7 +149,7 @@ def test_per_site_bits_override():
 
 def test_simulated_telemetry_is_exact():
     P, N = 4, 6
-    sim = SimulatedCommunicator(P, EchoConfig(bits=4, residual="local"), telemetry=True)
+    sim = SimulatedCommunicator(P, two_timescale(bits=4, residual="local"), telemetry=True)
     xs = [partials(P, 512, 300 + k) for k in range(N)]
     sim.new_pass()
     ys = [sim.all_reduce(x)[0] for x in xs]
@@ -162,6 +164,39 @@ def test_simulated_telemetry_is_exact():
         assert row["delta_norm_est"] == pytest.approx(row["delta_norm"], rel=0.3)
 
 
+def test_default_state_is_one_bf16_tensor_and_presets_keep_the_paper_pair():
+    """EchoConfig(): beta1 = beta2 = 0 in bf16 (docs/results/2026-11-30-compact-state.md), so
+    the communicator holds one bf16 tensor per direction and c = eta * (last u); the paper's
+    fp32 two-timescale pair is the preset echo4-2ts (local) / echo4-output (paper setting)."""
+    cfg = EchoConfig()
+    assert (cfg.beta1, cfg.beta2, cfg.state_dtype, cfg.residual) == (0.0, 0.0, "bfloat16", "local")
+    P, n = 2, 640
+    sim = SimulatedCommunicator(P, cfg)
+    sim.new_pass()
+    x0, x1 = partials(P, n, seed=3), partials(P, n, seed=4)
+    y0 = sim.all_reduce(x0)
+    st = sim.state()
+    assert st.compact and st.m1.dtype == torch.bfloat16 and st.m2 is st.m1
+    u0 = st.m1.clone()                                # the first call's residual, in bf16
+    assert bool(u0.abs().sum() > 0)
+    # the next call quantizes x' = x + eta * (a u0 + (1 - a) u0) in fp32 (m1 is m2)
+    y1 = sim.all_reduce(x1)
+    k = CompensatorConstants.from_config(cfg)
+    u = u0.float()
+    x_prime = x1.float() + (u * k.a + u * k.one_minus_a) * k.eta
+    want = SimulatedCommunicator(P, cfg.replace(eta=0.0)).all_reduce(x_prime)
+    assert torch.equal(y1, want.to(y1.dtype))
+    assert not torch.equal(y0, y1)
+    for name, resid, eta in (("echo4-2ts", "local", 1.0), ("echo4-output", "output", 0.75)):
+        p = EchoConfig.from_name(name)
+        assert (p.beta1, p.beta2, p.a, p.state_dtype, p.residual, p.eta) == \
+            (0.7, 0.3, 0.35, "float32", resid, eta)
+        sim = SimulatedCommunicator(P, p)
+        sim.new_pass()
+        sim.all_reduce(x0)
+        assert not sim.state().compact and sim.state().m1.dtype == torch.float32
+
+
 def test_bad_input_gets_clear_errors():
     sim = SimulatedCommunicator(2, EchoConfig())
     with pytest.raises(ValueError, match="leading dim"):
@@ -171,9 +206,9 @@ def test_bad_input_gets_clear_errors():
     with pytest.raises(ValueError, match="direction"):
         sim.all_reduce(torch.zeros(2, 128), direction="sideways")
     with pytest.raises(ValueError):
-        EchoConfig(eta=float("nan"))
+        two_timescale(eta=float("nan"))
     with pytest.raises(ValueError):
-        EchoConfig(residual="global")
+        two_timescale(residual="global")
     # NaN in one partial poisons only its groups; finite groups stay finite
     x = partials(2, 512, 9).float()
     x[1, 3] = float("nan")
@@ -186,7 +221,7 @@ def test_bf16_state_rounds_once_per_update():
     communicator keeps it bf16 and the correction it yields is the fp32 formula on those values."""
     from echo_tp.compensator import CompState, correction, update_
     from echo_tp.config import CompensatorConstants
-    cfg = EchoConfig(bits=4, state_dtype="bfloat16")
+    cfg = two_timescale(bits=4, state_dtype="bfloat16")
     k = CompensatorConstants.from_config(cfg)
     g = torch.Generator().manual_seed(3)
     st = CompState(torch.randn(1000, generator=g).bfloat16(), torch.randn(1000, generator=g).bfloat16())
@@ -202,7 +237,7 @@ def test_bf16_state_rounds_once_per_update():
     comm.all_reduce(torch.randn(4, 512, generator=g).bfloat16())
     assert comm.state().m1.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="state_dtype"):
-        EchoConfig(state_dtype="float16")
+        two_timescale(state_dtype="float16")
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -211,7 +246,7 @@ def test_compact_state_is_bit_identical_when_betas_match(mode, sdtype):
     """beta1 == beta2: the communicator keeps one tensor (m2 is m1); y and the state equal those
     of two separate tensors bit for bit, site after site."""
     P, n = 4, 700
-    cfg = EchoConfig(bits=4, residual=mode, beta1=0.5, beta2=0.5,
+    cfg = two_timescale(bits=4, residual=mode, beta1=0.5, beta2=0.5,
                      state_dtype="bfloat16" if sdtype == torch.bfloat16 else "float32")
     full = CompState.zeros((P, n), "cpu", sdtype)
     compact = CompState.zeros((P, n), "cpu", sdtype, compact=True)
@@ -227,10 +262,11 @@ def test_compact_state_is_bit_identical_when_betas_match(mode, sdtype):
     comm.new_pass()
     comm.all_reduce(partials(P, n, seed=1))
     assert comm.state().compact
-    comm2 = SimulatedCommunicator(P, EchoConfig(bits=4))          # paper betas: two tensors
+    paper = EchoConfig.from_name("echo4-2ts")
+    comm2 = SimulatedCommunicator(P, paper)                        # paper betas: two tensors
     comm2.new_pass()
     comm2.all_reduce(partials(P, n, seed=1))
     assert not comm2.state().compact
     with pytest.raises(ValueError, match="beta1 == beta2"):
-        compensated_all_reduce(partials(P, n, seed=2), EchoConfig(bits=4), t,
+        compensated_all_reduce(partials(P, n, seed=2), paper, t,
                                state=CompState.zeros((P, n), "cpu", compact=True))

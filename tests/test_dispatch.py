@@ -7,17 +7,19 @@ import torch.distributed as dist
 
 from echo_tp.collective import p2p
 from echo_tp.collective.dispatch import build_dispatcher
+from harness import two_timescale
 
 
 def test_crossover_table(monkeypatch):
     from echo_tp.config import EchoConfig
     monkeypatch.delenv("ECHO_P2P_MIN_BYTES", raising=False)
     sb = p2p.state_bytes
-    assert sb(EchoConfig(bits=4, eta=0.0)) == 0
-    assert sb(EchoConfig(bits=4)) == 16                  # fp32 m1 + m2, read and written
-    assert sb(EchoConfig(bits=4, state_dtype="bfloat16")) == 8
-    assert sb(EchoConfig(bits=4, beta1=0.0, beta2=0.0)) == 8             # one fp32 tensor
-    assert sb(EchoConfig(bits=4, beta1=0.0, beta2=0.0, state_dtype="bfloat16")) == 4
+    assert sb(two_timescale(bits=4, eta=0.0)) == 0
+    pair = dict(beta1=0.7, beta2=0.3)
+    assert sb(EchoConfig(bits=4, **pair, state_dtype="float32")) == 16   # fp32 m1 + m2, r + w
+    assert sb(EchoConfig(bits=4, **pair)) == 8                           # bf16 pair
+    assert sb(EchoConfig(bits=4, state_dtype="float32")) == 8            # one fp32 tensor
+    assert sb(EchoConfig(bits=4)) == 4                   # the default: one bf16 tensor
     assert p2p.crossover_bytes(2, 0) == 64 << 20
     assert p2p.crossover_bytes(2, 16) is None            # fp32 state: HBM-bound, never 5% faster
     assert p2p.crossover_bytes(2, 8) == p2p.crossover_bytes(2, 4) == 64 << 20   # bf16 states
@@ -34,15 +36,14 @@ def test_overlap_policy(monkeypatch):
     """reduce and tail overlap only where measured faster (one launch: uncompensated 8-bit,
     and 4-bit up to 128 MiB); ECHO_P2P_OVERLAP forces a mode."""
     from echo_tp import envs
-    from echo_tp.config import EchoConfig
     mode, MB = p2p.overlap_mode, 1 << 20
-    assert mode(EchoConfig(bits=8, eta=0.0), 1024 * MB) == "launch"
-    assert mode(EchoConfig(bits=4, eta=0.0), 64 * MB) == "launch"      # one launch fewer
-    assert mode(EchoConfig(bits=4, eta=0.0), 128 * MB) == "launch"
-    assert mode(EchoConfig(bits=4, eta=0.0), 256 * MB) == "off"        # the tail's occupancy
-    assert mode(EchoConfig(bits=8), 1024 * MB) == "off"                 # compensated
-    assert mode(EchoConfig(bits=4), 64 * MB) == "off"
-    for cfg in (EchoConfig(bits=b, eta=e) for b in (4, 8) for e in (0.0, 0.75)):
+    assert mode(two_timescale(bits=8, eta=0.0), 1024 * MB) == "launch"
+    assert mode(two_timescale(bits=4, eta=0.0), 64 * MB) == "launch"      # one launch fewer
+    assert mode(two_timescale(bits=4, eta=0.0), 128 * MB) == "launch"
+    assert mode(two_timescale(bits=4, eta=0.0), 256 * MB) == "off"        # the tail's occupancy
+    assert mode(two_timescale(bits=8), 1024 * MB) == "off"                 # compensated
+    assert mode(two_timescale(bits=4), 64 * MB) == "off"
+    for cfg in (two_timescale(bits=b, eta=e) for b in (4, 8) for e in (0.0, 0.75)):
         for nbytes in (MB, 1024 * MB):
             assert mode(cfg, nbytes) in envs.OVERLAP_MODES
     monkeypatch.delenv("ECHO_P2P_OVERLAP", raising=False)
@@ -122,7 +123,6 @@ def test_dispatcher_orders_state_calls_after_deferred_updates():
     import torch
 
     from echo_tp.collective.dispatch import Dispatcher
-    from echo_tp.config import EchoConfig
     calls = []
 
     class Deferring:
@@ -151,7 +151,7 @@ def test_dispatcher_orders_state_calls_after_deferred_updates():
             pass
 
     d = Dispatcher([Deferring(), Taker()], 2)
-    x, cfg = torch.zeros(4), EchoConfig(bits=4)
+    x, cfg = torch.zeros(4), two_timescale(bits=4)
     d.run(x, cfg, state=object(), backward=False, record=False)
     assert calls == ["wait", "run"] and d.last_backend == "taker"
     calls.clear()

@@ -41,11 +41,11 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from echo_tp import quant  # noqa: E402
-from harness import bits_differ  # noqa: E402
+from harness import bits_differ, two_timescale  # noqa: E402
 from echo_tp.collective.qar import compensated_all_reduce  # noqa: E402
 from echo_tp.collective.simulated import SimTransport  # noqa: E402
 from echo_tp.compensator import CompState  # noqa: E402
-from echo_tp.config import EchoConfig, QuantSpec  # noqa: E402
+from echo_tp.config import QuantSpec  # noqa: E402
 
 for _name in ("echo_tp.kernels.flags", "echo_tp.kernels.quant_kernels",
               "echo_tp.kernels.allreduce_kernels", "echo_tp.kernels.simulated_fused"):
@@ -180,7 +180,7 @@ def _check_fused(P, cfg, n, dtype, backward, calls, seed, state_dtype=torch.floa
 
 @pytest.mark.parametrize("P,bits,quantizer,residual,dtype,backward", FUSED_CASES, ids=str)
 def test_fused_allreduce_matches_reference(P, bits, quantizer, residual, dtype, backward):
-    cfg = EchoConfig(bits=bits, quantizer=quantizer, residual=residual)
+    cfg = two_timescale(bits=bits, quantizer=quantizer, residual=residual)
     # n pads to whole groups; several tiles per segment
     _check_fused(P, cfg, 1500 + 37 * P, dtype, backward, calls=2, seed=100 * P + 10 * bits)
 
@@ -191,7 +191,7 @@ def test_fused_allreduce_matches_reference(P, bits, quantizer, residual, dtype, 
 def test_fused_bf16_state_matches_reference(P, bits, residual, backward):
     """state_dtype='bfloat16': kernels and reference read the state exactly, compute in fp32
     and round once to bf16 on store, so y and the state still match bit for bit."""
-    cfg = EchoConfig(bits=bits, residual=residual, state_dtype="bfloat16")
+    cfg = two_timescale(bits=bits, residual=residual, state_dtype="bfloat16")
     state = _check_fused(P, cfg, 1400 + 41 * P, torch.bfloat16, backward, calls=3,
                          seed=700 + 10 * P, state_dtype=torch.bfloat16)
     assert state.m1.dtype == torch.bfloat16 and bool(state.m1.abs().sum() > 0)
@@ -201,7 +201,7 @@ def test_fused_bf16_state_matches_reference(P, bits, residual, backward):
 def test_fused_compact_state_matches_reference(residual, sdtype):
     """beta1 == beta2 = 0 with one state tensor (m2 is m1): the kernels read and write the same
     addresses twice with the same values, the reference updates once; same bits."""
-    cfg = EchoConfig(bits=4, residual=residual, beta1=0.0, beta2=0.0,
+    cfg = two_timescale(bits=4, residual=residual, beta1=0.0, beta2=0.0,
                      state_dtype="bfloat16" if sdtype == torch.bfloat16 else "float32")
     state = _check_fused(3, cfg, 1300, torch.bfloat16, False, calls=3, seed=900,
                          state_dtype=sdtype, compact=True)
@@ -220,7 +220,7 @@ def test_fused_compact_state_matches_reference(residual, sdtype):
 def test_fused_tile_in_steps_matches_reference(P, bits, residual, sdtype, backward):
     """A tile larger than a step (1024 values in 4 steps of 256: one flag and one release per
     tile, the steps' stores in flight together), last tile of each segment partial."""
-    cfg = EchoConfig(bits=bits, residual=residual,
+    cfg = two_timescale(bits=bits, residual=residual,
                      state_dtype="bfloat16" if sdtype == torch.bfloat16 else "float32")
     _check_fused(P, cfg, 3000 + 53 * P, torch.bfloat16, backward, calls=2, seed=1300 + P,
                  state_dtype=sdtype, tile=1024, step=256)
@@ -234,7 +234,7 @@ def test_tail_loop_matches_reference(P, residual, defer, programs):
     """The tail as a few persistent programs (overlap 'stream'): each walks (tile, owner)
     items in steps of `programs`; P-1 owners when the reduce wrote the own y (local, or the
     output residual deferred), all P when the tail updates the output residual."""
-    cfg = EchoConfig(bits=4, residual=residual)
+    cfg = two_timescale(bits=4, residual=residual)
     _check_fused(P, cfg, 2600 + 31 * P, torch.bfloat16, False, calls=2, seed=1500 + P,
                  tile=256, defer_output=defer, tail_programs=programs)
 
@@ -250,7 +250,7 @@ def test_deferred_output_update_matches_reference(P, bits, quantizer, dtype, bac
     after the call): tails write y only, `output_update` decodes the gather slots again and
     updates m1, m2; same bits as the reference and as the in-tail update."""
     betas = dict(beta1=0.5, beta2=0.5) if compact else {}
-    cfg = EchoConfig(bits=bits, quantizer=quantizer, residual="output",
+    cfg = two_timescale(bits=bits, quantizer=quantizer, residual="output",
                      state_dtype="bfloat16" if sdtype == torch.bfloat16 else "float32", **betas)
     _check_fused(P, cfg, 2500 + 31 * P, dtype, backward, calls=3, seed=1700 + P,
                  state_dtype=sdtype, compact=compact, tile=1024, step=512, defer_output=True)
@@ -260,7 +260,7 @@ def test_deferred_output_update_matches_reference(P, bits, quantizer, dtype, bac
 def test_fused_uncompensated_and_nonfinite(bits):
     """No state (eta = 0 path) and NaN/Inf inputs: y matches, NaN lands in the same places."""
     P, n = 4, 1024
-    cfg = EchoConfig(bits=bits, eta=0.0)
+    cfg = two_timescale(bits=bits, eta=0.0)
     x = _fused_input(P, n, torch.bfloat16, seed=7, scale=1.0)
     x[1, 700] = float("nan")
     x[2, 900] = float("inf")
@@ -273,7 +273,7 @@ def test_fused_uncompensated_and_nonfinite(bits):
 def test_gather_slots_identical_on_every_rank():
     """Every rank holds the same owner packets after a call (everyone decodes the same bytes)."""
     P, n = 4, 2048
-    cfg = EchoConfig(bits=4)
+    cfg = two_timescale(bits=4)
     sim = sf.SimulatedFused(P, tile_elems=512)
     sim(_fused_input(P, n, torch.bfloat16, seed=3, scale=1.0), cfg, state=None)
     ws = sim.workspace(n, cfg.quant_spec(), torch.device("cpu"))
@@ -292,7 +292,7 @@ def test_missing_peer_times_out_with_rank_stage_tile():
     sim = sf.SimulatedFused(P, tile_elems=512, timeout_polls=20)
     x = _fused_input(P, n, torch.float16, seed=1, scale=1.0)
     with pytest.raises(RuntimeError, match=r"rank 0 timed out in stage 1 .* tile 0, peer 1"):
-        sim(x, EchoConfig(bits=4, eta=0.0), state=None, stages=("reduce",))
+        sim(x, two_timescale(bits=4, eta=0.0), state=None, stages=("reduce",))
 
 
 @triton.jit
@@ -392,7 +392,7 @@ def test_fused_ranks_in_concurrent_processes(P, residual, programs, tile, step, 
     P-1 and P tails per tile on one workspace). lag: the reduce and tail overlapped in one
     launch (tails `lag` tiles behind; 50 > tiles: every reduce first)."""
     import torch.multiprocessing as mp
-    cfg = EchoConfig(bits=4, residual=residual)
+    cfg = two_timescale(bits=4, residual=residual)
     calls, n = 3, 1000 if not programs and lag is None else 2300
     lay = ak.Layout.build(n, P, cfg.quant_spec(), tile_elems=tile)
     bufs = [torch.randint(0, 256, (lay.nbytes,), dtype=torch.uint8).share_memory_()
@@ -432,7 +432,7 @@ def test_layout_alignment():
 def test_reference_qar_with_kernel_codec_is_bit_identical(residual, bits):
     """On CUDA the reference QAR quantizes with these kernels (qar.codec_for): same y and state
     as with quant.py, over two compensated calls of P=4 virtual ranks."""
-    cfg = EchoConfig(bits=bits, residual=residual)
+    cfg = two_timescale(bits=bits, residual=residual)
     t = SimTransport(4)
     states = {name: CompState.zeros((4, 1000), "cpu") for name in ("torch", "kernels")}
     for call in range(2):

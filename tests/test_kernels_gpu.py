@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import bits_differ
+from harness import bits_differ, two_timescale
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -117,12 +117,11 @@ def test_simulated_fused_matches_torch_reference_on_gpu(case, tile, tail_program
     from echo_tp.collective.qar import compensated_all_reduce
     from echo_tp.collective.simulated import SimTransport
     from echo_tp.compensator import CompState
-    from echo_tp.config import EchoConfig
     from echo_tp.kernels.simulated_fused import SimulatedFused
     monkeypatch.setenv("ECHO_TORCH_QUANT", "1")          # the reference quantizes with quant.py
     P, bits, qz, resid, dtype, backward, sdt, compact = case
     betas = dict(beta1=0.5, beta2=0.5) if compact else {}
-    cfg = EchoConfig(bits=bits, quantizer=qz, residual=resid, state_dtype=sdt, **betas)
+    cfg = two_timescale(bits=bits, quantizer=qz, residual=resid, state_dtype=sdt, **betas)
     n = 300_017
     sdtype = getattr(torch, sdt)
     st = CompState.zeros((P, n), "cuda", sdtype, compact=compact)
@@ -158,11 +157,10 @@ def test_tail_loop_beside_reduce_on_other_streams(P, residual, monkeypatch):
     from echo_tp.collective.qar import compensated_all_reduce
     from echo_tp.collective.simulated import SimTransport
     from echo_tp.compensator import CompState
-    from echo_tp.config import EchoConfig
     from echo_tp.kernels.flags import describe_error
     from echo_tp.kernels.simulated_fused import SimulatedFused
     monkeypatch.setenv("ECHO_TORCH_QUANT", "1")
-    cfg = EchoConfig(bits=4, residual=residual or "local", eta=0.75 if residual else 0.0)
+    cfg = two_timescale(bits=4, residual=residual or "local", eta=0.75 if residual else 0.0)
     n = 3_000_001
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     sim = SimulatedFused(P, tile_elems=2048, timeout_polls=10**8)

@@ -25,7 +25,7 @@ import os
 import pytest
 import torch
 
-from harness import bits_differ, run_ranks
+from harness import bits_differ, run_ranks, two_timescale
 
 NEEDS = "needs >= {} CUDA GPUs with peer access"
 
@@ -87,7 +87,6 @@ def exactness_worker(rank: int, world: int, cases=CASES, calls: int = 3, group=N
     from echo_tp.collective.p2p import P2PBackend, p2p_unavailable_reason
     from echo_tp.collective.reference import DistTransport
     from echo_tp.compensator import CompState
-    from echo_tp.config import EchoConfig
     reason = p2p_unavailable_reason(group)
     if reason is not None:
         return [{"error": reason}]
@@ -100,7 +99,7 @@ def exactness_worker(rank: int, world: int, cases=CASES, calls: int = 3, group=N
         bits, quantizer, residual, eta, dtype, backward, n = case[:7]
         sdt, _, compact = (case[7] if len(case) > 7 else "float32").partition("-")
         betas = dict(beta1=0.0, beta2=0.0) if compact else {}
-        cfg = EchoConfig(bits=bits, quantizer=quantizer, residual=residual, eta=eta,
+        cfg = two_timescale(bits=bits, quantizer=quantizer, residual=residual, eta=eta,
                          state_dtype=sdt, **betas)
         comp = cfg.compensated
         st_p = CompState.zeros(n, "cuda", getattr(torch, sdt), compact=bool(compact)) \
@@ -162,10 +161,9 @@ def _graph_case(p2p, ref, rank: int) -> dict:
     residuals: 'output' runs its eager warm-up with the deferred (side-stream) update and its
     captured call with the update in the last kernel."""
     from echo_tp.compensator import CompState
-    from echo_tp.config import EchoConfig
     row = {"case": "cuda-graph replay x3, local + output", "y": 0, "m1": 0, "m2": 0}
     for residual in ("local", "output"):
-        n, cfg = 1 << 20, EchoConfig(bits=4, residual=residual)
+        n, cfg = 1 << 20, two_timescale(bits=4, residual=residual)
         st_p, st_r = CompState.zeros(n, "cuda"), CompState.zeros(n, "cuda")
         x_static = _input(n, "bfloat16", rank, seed=77, backward=False)
         y_r, _ = ref.run(x_static, cfg, state=st_r, backward=False, record=False)
@@ -233,7 +231,6 @@ def _soak_fn(rank: int, world: int, calls: int):
     from echo_tp.collective.dispatch import TransportBackend
     from echo_tp.collective.p2p import P2PBackend
     from echo_tp.collective.reference import DistTransport
-    from echo_tp.config import EchoConfig
     for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                  ("NVSHMEM_DISABLE_NVLS", "1")):
         os.environ.setdefault(k, v)
@@ -241,7 +238,7 @@ def _soak_fn(rank: int, world: int, calls: int):
     groups = [dist.new_group(backend="nccl") for _ in range(2)]
     p2ps = [P2PBackend(g, min_bytes=0) for g in groups]
     ref = TransportBackend(DistTransport(groups[0]))
-    cfg = EchoConfig(bits=4, eta=0.0)
+    cfg = two_timescale(bits=4, eta=0.0)
     out = {"two_groups": 0, "soak": 0}
     for call in range(20):                        # interleaved: A, B, A, B, ...
         x = _input(300_007, "bfloat16", rank, seed=500 + call, backward=False)

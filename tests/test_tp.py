@@ -27,7 +27,7 @@ from echo_tp import EchoConfig, SimulatedCommunicator
 from echo_tp.models import ModelConfig, build_meta_model, init_weights
 from echo_tp.tp import (full_state_dict, grad_norm, make_policy, parallelize, parse_comm_spec,
                         rank_parameters, sync_partial_grads)
-from harness import run_ranks
+from harness import run_ranks, two_timescale
 
 CASES = {  # name -> (preset, ModelConfig overrides, world sizes it runs at)
     "llama": ("tiny-llama", {}, (2,)),
@@ -35,7 +35,8 @@ CASES = {  # name -> (preset, ModelConfig overrides, world sizes it runs at)
     "qwen3": ("tiny-qwen3", {}, (2, 4, 8)),  # at 8: kv heads replicated over 2 ranks
     "qwen3-kv2": ("tiny-qwen3", {"n_kv_heads": 2}, (4,)),  # kv heads replicated over 2 ranks
 }
-QUANT_CONFIGS = [dict(bits=4), dict(bits=8, residual="local")]
+QUANT_CONFIGS = [dict(bits=4),                       # the paper's fp32 pair (two_timescale)
+                 dict(bits=8, beta1=0.0, beta2=0.0, state_dtype="bfloat16")]   # default state
 LOGIT_ATOL, GRAD_ATOL, GRAD_RTOL = 1e-5, 2e-6, 1e-4
 
 
@@ -78,7 +79,7 @@ def _worker(rank, world_size):
             continue
         for cfg in [dict(bits=16)] + QUANT_CONFIGS:
             model = build(case)
-            parallelize(model, EchoCommunicator.from_group(None, EchoConfig(**cfg)), rank)
+            parallelize(model, EchoCommunicator.from_group(None, two_timescale(**cfg)), rank)
             logits = step(model)
             res = {"logits": logits, "grads": grads_of(rank_parameters(model))}
             if cfg["bits"] == 16:
@@ -142,7 +143,7 @@ def _compare_simulated(P, res):
             continue
         for cfg in QUANT_CONFIGS:
             sim = build(case)
-            parallelize(sim, SimulatedCommunicator(P, EchoConfig(**cfg)))
+            parallelize(sim, SimulatedCommunicator(P, two_timescale(**cfg)))
             logits = step(sim)
             for r in range(P):
                 got = res[r][(case, str(cfg))]
@@ -165,7 +166,7 @@ def test_kv_heads_replicated_beyond_their_count_simulated():
         ref_logits = step(ref)
         ref_grads = grads_of(dict(ref.named_parameters(remove_duplicate=False)))
         sim = build(case)
-        parallelize(sim, SimulatedCommunicator(8, EchoConfig(bits=16)))
+        parallelize(sim, SimulatedCommunicator(8, two_timescale(bits=16)))
         torch.testing.assert_close(step(sim), ref_logits, atol=LOGIT_ATOL, rtol=0)
         shards = {k: (d, idx) for k, (d, idx, _) in sim.echo_tp.shards.items()}
         for r in range(8):
@@ -183,7 +184,7 @@ def test_kv_heads_replicated_beyond_their_count_simulated():
 def test_passes_reset_and_directions_are_separate():
     model = build("qwen3")
     L = model.cfg.n_layers
-    comm = SimulatedCommunicator(2, EchoConfig(bits=4), telemetry=True)
+    comm = SimulatedCommunicator(2, two_timescale(bits=4), telemetry=True)
     parallelize(model, comm, policy="early8")
     x, y = batch()
     first = []
@@ -283,8 +284,8 @@ def test_policies_and_comm_specs():
 
 def test_bad_tp_sizes_are_refused():
     with pytest.raises(ValueError, match="n_heads=8 does not split over TP=3"):
-        parallelize(build("llama"), SimulatedCommunicator(3, EchoConfig(bits=16)))
+        parallelize(build("llama"), SimulatedCommunicator(3, two_timescale(bits=16)))
     model = build("llama")
-    parallelize(model, SimulatedCommunicator(2, EchoConfig(bits=16)))
+    parallelize(model, SimulatedCommunicator(2, two_timescale(bits=16)))
     with pytest.raises(ValueError, match="already parallelized"):
-        parallelize(model, SimulatedCommunicator(2, EchoConfig(bits=16)))
+        parallelize(model, SimulatedCommunicator(2, two_timescale(bits=16)))

@@ -10,7 +10,7 @@ from echo_tp.collective.qar import compensated_all_reduce
 from echo_tp.collective.simulated import SimTransport
 from echo_tp.collective.unfused import unfused_output_compensated
 from echo_tp.compensator import CompState
-from echo_tp.config import EchoConfig
+from harness import two_timescale
 
 SEED = int(os.environ.setdefault("ECHO_TEST_SEED", str(int.from_bytes(os.urandom(4), "little"))))
 
@@ -19,7 +19,7 @@ SEED = int(os.environ.setdefault("ECHO_TEST_SEED", str(int.from_bytes(os.urandom
                                             (4, torch.float16, torch.bfloat16)])
 def test_unfused_output_residual_is_bit_identical(P, dtype, sdtype):
     n = 1000
-    cfg = EchoConfig(bits=4, residual="output", eta=0.75,
+    cfg = two_timescale(bits=4, residual="output", eta=0.75,
                      state_dtype="bfloat16" if sdtype == torch.bfloat16 else "float32")
     plain = cfg.replace(eta=0.0)
     t = SimTransport(P)

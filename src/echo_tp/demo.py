@@ -24,13 +24,13 @@ from .launch import run_ranks
 ASSETS = Path(__file__).resolve().parent / "assets"
 DEMO_MODEL = ASSETS / "models" / "demo-8k"
 HELDOUT_TEXT = ASSETS / "text" / "heldout_rowlandson.txt"
-PPL_CONFIGS = ["16", "8", "4", "echo4:residual=output,eta=0.75", "echo4"]
+PPL_CONFIGS = ["16", "8", "4", "echo4-output", "echo4"]
 
 DEMO_CONFIGS = {
     "16-bit": EchoConfig(bits=16),
     "8-bit": EchoConfig(bits=8, eta=0.0),
     "4-bit (no compensation)": EchoConfig(bits=4, eta=0.0),
-    "Echo 4-bit (paper: output, eta .75)": EchoConfig(bits=4, residual="output", eta=0.75),
+    "Echo 4-bit (paper: output, eta .75)": EchoConfig.from_name("echo4-output"),
     "Echo 4-bit (default: local, eta 1)": EchoConfig(bits=4),
 }
 

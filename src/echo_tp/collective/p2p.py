@@ -125,7 +125,10 @@ half an SM, so with one tail program per SM either every SM keeps half its regis
 some SM has no tail program at all, and a reduce program (also 4 warps) always fits. The
 reduce is also queued before the tail (streams share the GPU's hardware queues: a reduce
 queued behind a spinning tail can wait forever; on one H200, 3 simulated ranks whose tails
-were launched first stalled until the flag timeout). Not timed yet (no 2-GPU machine since)."""
+were launched first stalled until the flag timeout). 2026-11-30, 2 H200s: exact, but 4-bit
+1 GiB 1.83 ms vs 1.18 serial (the tail runs latency-bound in 132 programs); 8 per SM reach
+1.19 ms (benchmark variant @o2g8; no such proof for the register-heavy compensated tails), so
+'stream' is never picked by overlap_mode (docs/notes/fastpath.md rows 32-34)."""
 
 
 OVERLAP_LAUNCH_MAX_BYTES: dict[int, int | None] = {4: 128 << 20, 8: None}
