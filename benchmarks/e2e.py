@@ -57,6 +57,34 @@ class IdentityComm:
         pass
 
 
+class CallTimes:
+    """A communicator that brackets each all_reduce with CUDA events while `on` (no host sync):
+    the time the step spends inside the collective, per step, measured in the model."""
+
+    def __init__(self, comm):
+        self.comm, self.on, self.events = comm, False, []
+
+    def __getattr__(self, name):
+        return getattr(self.comm, name)
+
+    def all_reduce(self, x, **kw):
+        if not self.on:
+            return self.comm.all_reduce(x, **kw)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        y = self.comm.all_reduce(x, **kw)
+        end.record()
+        self.events.append((start, end))
+        return y
+
+    def ms_per_step(self, steps: int) -> float:
+        """Summed call time / steps (after a sync), then the events are dropped."""
+        torch.cuda.synchronize()
+        total = sum(s.elapsed_time(e) for s, e in self.events)
+        self.events.clear()
+        return total / max(1, steps)
+
+
 def timed(fn, iters: int, warmup: int = 2) -> float:
     """Median ms of fn() over iters runs (CUDA events, ranks aligned by a barrier each run)."""
     for _ in range(warmup):
@@ -97,11 +125,11 @@ def bench_model(name: str, a, rank: int, world: int) -> list[dict]:
     def tokens(b, t):
         return torch.randint(0, cfg.vocab_size, (b, t), generator=g).to(dev)
 
-    def with_comm(key):
+    def with_comm(key, call_times=None):
         if key == "no-ar":
             set_comm(model, IdentityComm(world))
         else:
-            set_comm(model, comms[key], policy=specs[key].policy)
+            set_comm(model, call_times or comms[key], policy=specs[key].policy)
 
     def prefill(b):
         x = tokens(b, a.seq)
@@ -153,13 +181,15 @@ def bench_model(name: str, a, rank: int, world: int) -> list[dict]:
             loss.backward()
         return run
 
-    cases = [("prefill", big_b, prefill), ("prefill", a.small_batch, prefill),
-             ("decode", a.decode_batch, decode), ("decode-graph", a.decode_batch, decode_graph),
-             ("train", a.train_batch, train)]
+    # (kind, batch, step factory, timed under the background loads too)
+    cases = [("prefill", big_b, prefill, True), ("prefill", a.small_batch, prefill, False),
+             ("decode", a.decode_batch, decode, False),
+             ("decode-graph", a.decode_batch, decode_graph, False),
+             ("train", a.train_batch, train, True)]
     cases = [c for c in cases if c[0] in a.cases]
-    for kind, b, make in cases:
+    for kind, b, make, loaded in cases:
         msg_mb = b * (1 if kind.startswith("decode") else a.seq) * cfg.dim * 2 / 2**20
-        loads = a.loads if kind in ("prefill", "train") and b != a.small_batch else [0.0]
+        loads = a.loads if loaded else [0.0]
         iters = a.decode_iters if kind.startswith("decode") else a.iters
         fn = make(b)
         for duty in loads:
@@ -168,9 +198,16 @@ def bench_model(name: str, a, rank: int, world: int) -> list[dict]:
                 for key in ["no-ar", *a.order]:
                     if kind == "train" and key == "no-ar" and duty:
                         continue
-                    with_comm(key)
+                    ct = CallTimes(comms[key]) if a.call_times and key != "no-ar" \
+                        and kind in ("prefill", "train") else None
+                    with_comm(key, ct)
                     step = fn() if kind == "decode-graph" else fn   # capture per communicator
                     row[key] = timed(step, iters)
+                    if ct is not None:          # a second pass, events on: the calls' share
+                        ct.on = True
+                        for _ in range(iters):
+                            step()
+                        row[f"ar_ms_{key}"] = ct.ms_per_step(iters)
             graphs.clear()
             base = row["nccl16"]
             for key in COMMS:
@@ -194,17 +231,21 @@ def markdown(rows: list[dict], meta: dict) -> str:
            f"{meta['gpus']}; torch {meta['torch']}, triton {meta['triton']}, "
            f"NCCL {meta['nccl']}", "", f"Command: `{meta['command']}`", "",
            "| model | step | batch | AR msg MB | load | NCCL ms | Echo4 ms | x | Echo4bf x | "
-           "Echo8 x | early8 x | AR share | Amdahl bound |", "|" + "---|" * 13]
+           "Echo8 x | early8 x | AR share | Amdahl bound | AR ms in step: NCCL / Echo4 |",
+           "|" + "---|" * 14]
 
     def x(r, key):
         return f"{r[f'speedup_{key}']:.2f}" if f"speedup_{key}" in r else "-"
     for r in rows:
         share = f"{100 * r['ar_share']:.0f}%" if "ar_share" in r else ""
         bound = f"{r['amdahl_bound']:.2f}" if "amdahl_bound" in r else ""
+        calls = " / ".join(f"{r[k]:.1f}" if k in r else "-"
+                           for k in ("ar_ms_nccl16", "ar_ms_echo4")) \
+            if "ar_ms_nccl16" in r or "ar_ms_echo4" in r else ""
         out.append(f"| {r['model']} | {r['kind']} | {r['batch']} | {r['msg_mb']:.1f} | "
                    f"{100 * r['load']:.0f}% | {r['nccl16']:.2f} | {r.get('echo4', 0):.2f} | "
                    f"{x(r, 'echo4')} | {x(r, 'echo4bf')} | {x(r, 'echo8')} | "
-                   f"{x(r, 'early8')} | {share} | {bound} |")
+                   f"{x(r, 'early8')} | {share} | {bound} | {calls} |")
     return "\n".join(out) + "\n"
 
 
@@ -250,6 +291,9 @@ def main() -> None:
     ap.add_argument("--order", nargs="+", default=list(COMMS), choices=list(COMMS),
                     help="the communicators timed, in this order (nccl16 is needed: the baseline)")
     ap.add_argument("--out", type=Path, default=Path("docs/results"))
+    ap.add_argument("--call-times", action="store_true",
+                    help="prefill/train: also time every all-reduce call inside the step "
+                         "(CUDA events, separate untimed-step pass): ar_ms_<comm> per step")
     a = ap.parse_args()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl")

@@ -46,8 +46,10 @@ def test_e2e_table_and_plot_with_a_subset_of_comms(tmp_path):
            "amdahl_bound": 1.11, "speedup_nccl16": 1.0, "speedup_echo4bf": 100 / 95}
     meta = {"world_size": 2, "date": "2026-11-30", "gpus": "2x H200", "torch": "t",
             "triton": "t", "nccl": "n", "command": "c"}
-    md = e2e.markdown([row], meta)
+    timed_calls = dict(row, ar_ms_nccl16=20.54, ar_ms_echo4=12.31)     # --call-times
+    md = e2e.markdown([row, timed_calls], meta)
     assert "| 1.05 |" in md and "| - |" in md          # echo4bf shown, absent comms as '-'
+    assert "| 20.5 / 12.3 |" in md and md.count("| 1.11 |  |") == 1   # blank without
     e2e.plot([row], meta, tmp_path / "e2e.png")
     assert (tmp_path / "e2e.png").stat().st_size > 0
 
