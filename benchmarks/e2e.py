@@ -202,7 +202,11 @@ def bench_model(name: str, a, rank: int, world: int) -> list[dict]:
                         and kind in ("prefill", "train") else None
                     with_comm(key, ct)
                     step = fn() if kind == "decode-graph" else fn   # capture per communicator
+                    t0 = time.time()
                     row[key] = timed(step, iters)
+                    if a.phase_log and rank == 0:  # wall-clock window, to match GPU telemetry
+                        print(json.dumps({"phase": f"{name} {kind} b{b} load {duty} {key}",
+                                          "t0": t0, "t1": time.time()}), flush=True)
                     if ct is not None:          # a second pass, events on: the calls' share
                         ct.on = True
                         for _ in range(iters):
@@ -291,6 +295,8 @@ def main() -> None:
     ap.add_argument("--order", nargs="+", default=list(COMMS), choices=list(COMMS),
                     help="the communicators timed, in this order (nccl16 is needed: the baseline)")
     ap.add_argument("--out", type=Path, default=Path("docs/results"))
+    ap.add_argument("--phase-log", action="store_true",
+                    help="rank 0 prints each timed phase's wall-clock window (JSON lines)")
     ap.add_argument("--call-times", action="store_true",
                     help="prefill/train: also time every all-reduce call inside the step "
                          "(CUDA events, separate untimed-step pass): ar_ms_<comm> per step")

@@ -3,6 +3,7 @@ accept every keyword the TP sites pass to a communicator (a missing one crashed 
 the all-reduce and e2e benchmarks' table/plot helpers work on rows of the recorded shape, and
 the one-GPU stage profile runs (under TRITON_INTERPRET on the CPU)."""
 import inspect
+import json
 import os
 import sys
 from pathlib import Path
@@ -60,3 +61,21 @@ def test_stage_profile_runs_on_the_cpu():
     assert row["step"] == 256 and row["sum_ms"] > 0
     assert row["sum_ms"] == pytest.approx(row["entry_ms"] + row["reduce_ms"] + row["tail_ms"],
                                           abs=1e-3)
+
+
+def test_gpu_telemetry_matches_samples_to_phases(tmp_path):
+    gt = pytest.importorskip("gpu_telemetry")
+    smi = tmp_path / "smi.csv"
+    smi.write_text("2026/11/30 03:46:20.100, 0, 1500, 3201, 690.5, 100, 40, 0x0000000000000004\n"
+                   "2026/11/30 03:46:20.200, 0, 1700, 3201, 650.0, 100, 40, 0x0000000000000000\n"
+                   "2026/11/30 03:46:21.100, 0, 1900, 3201, 300.0, 0, 40, 0x0000000000000001\n"
+                   "garbage line\n")
+    t0 = 1796010380.0   # 2026-11-30 03:46:20 UTC
+    log = tmp_path / "e2e.log"
+    log.write_text("noise\n" + json.dumps({"phase": "a", "t0": t0, "t1": t0 + 0.5}) + "\n"
+                   + json.dumps({"phase": "b", "t0": t0 + 1.0, "t1": t0 + 1.2}) + "\n")
+    rows = gt.summarize(gt.read_samples(str(smi)), gt.read_phases(str(log)))
+    assert [(r["phase"], r["samples"]) for r in rows] == [("a", 2), ("b", 1)]
+    assert rows[0]["sm_mhz"] == 1600 and rows[0]["throttled"] == 0.5
+    assert rows[1]["throttled"] == 0.0                     # idle (bit 0) does not count
+    assert "| a | 0 | 2 | 1600 | 670 | 50% |" in gt.markdown(rows)
