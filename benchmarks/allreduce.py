@@ -14,8 +14,9 @@ compensator as separate torch ops around the uncompensated p2p call, on fp32 x')
 (EchoCommunicator with backend='auto': 4-bit uncompensated / the default compensated config,
 one bf16 state tensor / the paper's fp32 two-timescale pair, local residual; in place like
 nccl16: what a TP layer gets, the dispatch picking one-shot, p2p or the plain bf16 all-reduce
-per size). The p2p4c methods use eta 0.75 and, unless -single, the paper's betas 0.7/0.3. Bus bandwidth uses
-bf16-equivalent bytes: 2 (P-1)/P * bytes / time (the nccl-tests convention).
+per size). The p2p4c methods use eta 0.75 and, unless -single, the paper's betas 0.7/0.3.
+Bus bandwidth uses bf16-equivalent bytes: 2 (P-1)/P * bytes / time (the nccl-tests
+convention).
 Suffixes: '@...' a p2p launch shape (ppsK, wK, tK, sK; d0 = output-residual update inside the
 call instead of deferred to a side stream; o0 = reduce then tail, o1 = overlapped in one
 launch, o2 = the tail on a second stream beside the reduce; lK = tails K tiles behind the

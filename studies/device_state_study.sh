@@ -3,7 +3,7 @@
 # beta1 = beta2 = 0: what the p2p kernels run fastest) hold quality on the 107M model?
 # Trains run A's schedule (221 steps) for 16-bit, naive 4-bit, the default Echo 4-bit and the
 # compact state, then evaluates the 16-bit model's held-out perplexity under the state variants.
-# Carry .work/study (token files). Results: $OUT/train, $OUT/inference.
+# Carry .work/study (token files). Results: $OUT/train_study.log, $OUT/train, $OUT/inference.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src
@@ -20,6 +20,5 @@ python3 studies/inference_study.py --model "$CKPT" --data .work/study/gut8k.val.
   --comm "echo4:state_dtype=bfloat16" --comm "echo4:beta1=0.5,beta2=0.1" --comm early8 \
   --comm "early8:beta1=0,beta2=0,state_dtype=bfloat16" --comm "$SINGLE,g=64" \
   2>&1 | tee $OUT/inference_study.log
-mkdir -p $OUT/train
-cp $W/train/summary.json $W/train/loss_curves.png $W/train/*.txt $OUT/train/ 2>/dev/null
-for r in $W/train/*/; do n=$(basename $r); mkdir -p $OUT/train/$n; cp $r/log.csv $r/train_config.json $OUT/train/$n/ 2>/dev/null; done
+# few files come back from a device call: the summary (every run's loss curve) and the plot
+mkdir -p $OUT/train && cp $W/train/summary.json $W/train/loss_curves.png $OUT/train/
