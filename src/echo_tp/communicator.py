@@ -162,7 +162,8 @@ class SimulatedCommunicator(EchoCommunicator):
     def _flatten(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 0 or x.shape[0] != self.world_size:
             raise ValueError(f"simulated all_reduce needs a leading dim of size "
-                             f"{self.world_size} (one slice per virtual rank), got {tuple(x.shape)}")
+                             f"{self.world_size} (one slice per virtual rank), "
+                             f"got {tuple(x.shape)}")
         return x.reshape(self.world_size, -1)
 
 

@@ -6,8 +6,8 @@ log the reason once.
 'auto' on an intra-node GPU group: small messages (up to oneshot.max_bytes) go to the 16-bit
 one-shot kernel (one launch, faster than NCCL there); p2p (fused kernels) takes calls where it
 was measured faster than NCCL's bf16 all-reduce (p2p.crossover_bytes); the rest goes to the
-plain bf16 all-reduce (`PlainBackend`: NCCL itself, exact), else the reference. Elsewhere (CPU/gloo, multi-node) the
-quantized reference runs every call.
+plain bf16 all-reduce (`PlainBackend`: NCCL itself, exact), else the reference. Elsewhere
+(CPU/gloo, multi-node) the quantized reference runs every call.
 """
 from __future__ import annotations
 

@@ -39,7 +39,7 @@ from ..compensator import CompState
 from ..config import CompensatorConstants, EchoConfig, QuantSpec
 from .flags import signal, wait_geq
 from .quant_kernels import (DTYPE_KIND, HW_FORMS, LAUNCH_OPTS, _cast_out, _codes, _dequant,
-                            _group_params, _load_codes, _load_f32, _store_codes, f32,
+                            _group_params, _load_codes, _load_f32, _store_codes,
                             spec_constexprs)
 
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

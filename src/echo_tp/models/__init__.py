@@ -2,7 +2,8 @@
 
     config.py       ModelConfig (kw_only, validated) + presets + HF config.json mapping
     transformer.py  Transformer (HF module names), KVCache, generate
-    hf.py           load_hf_checkpoint / save_hf_checkpoint through an explicit key map; init_weights
+    hf.py           load_hf_checkpoint / save_hf_checkpoint through an explicit key map;
+                    init_weights
     tokenize.py     byte-level BPE from vocab.json + merges.txt; flat .bin token files
 
 Tensor parallelism is applied to these modules from outside (echo_tp.tp), by module path.

@@ -67,7 +67,8 @@ def _safetensors_files(path: Path) -> list[Path]:
         return [path / SINGLE_FILE]
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"no *.safetensors files in {path} (PyTorch .bin checkpoints are not read)")
+        raise ValueError(f"no *.safetensors files in {path} "
+                         "(PyTorch .bin checkpoints are not read)")
     return files
 
 

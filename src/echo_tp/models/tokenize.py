@@ -33,7 +33,8 @@ ENCODE_BATCH = 16  # documents per encode_batch call (parallel inside tokenizers
 
 
 def resolve_tokenizer_dir(tokenizer_dir: str | Path | None = None) -> Path:
-    """A tokenizer directory: None/"" -> the shipped GPT-2 files; a shipped name ("gpt2") or a path."""
+    """A tokenizer directory: None/"" -> the shipped GPT-2 files; a shipped name ("gpt2") or a
+    path."""
     if tokenizer_dir is None or str(tokenizer_dir) == "":
         return ASSETS_DIR / DEFAULT_TOKENIZER
     path = Path(tokenizer_dir)

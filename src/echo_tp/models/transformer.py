@@ -124,7 +124,8 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = cfg.head_dim
         self.rope_theta = cfg.rope_theta
-        q_dim, kv_dim, bias = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.attention_bias
+        q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        bias = cfg.attention_bias
         self.q_proj = nn.Linear(cfg.dim, q_dim, bias=bias)
         self.k_proj = nn.Linear(cfg.dim, kv_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.dim, kv_dim, bias=bias)
