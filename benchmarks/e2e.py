@@ -129,7 +129,8 @@ def bench_model(name: str, a, rank: int, world: int) -> list[dict]:
         if key == "no-ar":
             set_comm(model, IdentityComm(world))
         else:
-            set_comm(model, call_times or comms[key], policy=specs[key].policy)
+            comm = comms[key] if call_times is None else call_times
+            set_comm(model, comm, policy=specs[key].policy)
 
     def prefill(b):
         x = tokens(b, a.seq)

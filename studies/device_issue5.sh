@@ -3,11 +3,9 @@
 # study on the 16-bit-trained model (studies/inference_study.py). Carry .work/study (token files).
 # Small results come back as $OUT/results.tar.gz and $OUT/demo_model.tar.gz.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src
+source studies/device_env.sh
 W=/tmp/study; mkdir -p $W
-nvidia-smi --query-gpu=name,memory.total --format=csv > $W/gpus.txt
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)" > $W/versions.txt
+record_env $W
 python3 studies/train_study.py --data .work/study --out $W/train --budget-s "${TRAIN_BUDGET_S:-270}" 2>&1 | tee $W/train_study.log
 CKPT=$(ls -d $W/train/16bit/checkpoints/step-* | tail -1)
 python3 studies/inference_study.py --model "$CKPT" --data .work/study/gut8k.val.bin --out $W/inference 2>&1 | tee $W/inference_study.log

@@ -5,11 +5,9 @@
 # compact state, then evaluates the 16-bit model's held-out perplexity under the state variants.
 # Carry .work/study (token files). Results: $OUT/train_study.log, $OUT/train, $OUT/inference.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src
+source studies/device_env.sh
 W=/tmp/study; mkdir -p $W
-nvidia-smi --query-gpu=name,memory.total --format=csv > $OUT/gpus.txt
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)" > $OUT/versions.txt
+record_env $OUT
 SINGLE="echo4:beta1=0,beta2=0,state_dtype=bfloat16"
 python3 studies/train_study.py --data .work/study --out $W/train --steps ${STEPS:-221} \
   --demo-steps 0 --run 16bit=16 --run naive4=4 --run echo4=echo4 --run "single-bf16=$SINGLE" \

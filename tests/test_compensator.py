@@ -220,7 +220,6 @@ def test_bf16_state_rounds_once_per_update():
     """A bf16 state is read exactly, updated in fp32 and rounded once (RNE) on store; the
     communicator keeps it bf16 and the correction it yields is the fp32 formula on those values."""
     from echo_tp.compensator import CompState, correction, update_
-    from echo_tp.config import CompensatorConstants
     cfg = two_timescale(bits=4, state_dtype="bfloat16")
     k = CompensatorConstants.from_config(cfg)
     g = torch.Generator().manual_seed(3)

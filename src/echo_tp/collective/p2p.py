@@ -145,10 +145,11 @@ P=2 only; other P use the same table."""
 def overlap_mode(cfg: EchoConfig, nbytes: int) -> str:
     """How the stage kernels run reduce and tail for a call of `nbytes` bytes per rank
     (envs.OVERLAP_MODES): 'off' (reduce, then tail), 'launch' (`CallPlan.reduce_tail`: one
-    kernel) or 'stream' (`CallPlan.tail_loop` on a second stream; not timed yet, never
-    chosen here). One kernel runs both stages at the larger stage's register count, so the
-    HBM-bound tail loses occupancy; it pays where the reduce is long (8-bit) or the launch
-    saved matters (4-bit up to 128 MiB): OVERLAP_LAUNCH_MAX_BYTES."""
+    kernel) or 'stream' (`CallPlan.tail_loop` on a second stream; measured no faster than
+    'off', never chosen here: TAIL_PROGRAMS_PER_SM). One kernel runs both stages at the
+    larger stage's register count, so the HBM-bound tail loses occupancy; it pays where the
+    reduce is long (8-bit) or the launch saved matters (4-bit up to 128 MiB):
+    OVERLAP_LAUNCH_MAX_BYTES."""
     if cfg.compensated or cfg.bits not in OVERLAP_LAUNCH_MAX_BYTES:
         return "off"
     cap = OVERLAP_LAUNCH_MAX_BYTES[cfg.bits]

@@ -1,0 +1,10 @@
+# Sourced by the studies' one-call device scripts: the environment every call needs
+# (multicast/NVLS off, the package from this checkout) and `record_env DIR`, which writes the
+# hardware and versions of the run to DIR/gpus.txt and DIR/versions.txt.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src
+
+record_env() {
+  nvidia-smi --query-gpu=name,memory.total --format=csv > "$1/gpus.txt"
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)" > "$1/versions.txt"
+}
