@@ -1,14 +1,35 @@
+# The README's two commands. Each builds (once) a virtual environment in .venv from the tested set
+# of versions (constraints/tested.txt), so nothing comes from the machine's own site-packages.
 PY ?= python3
-PIP = $(PY) -m pip install -q --disable-pip-version-check
+VENV ?= .venv
+VPY = $(VENV)/bin/python
+PIP = $(VPY) -m pip install -q --disable-pip-version-check
+CONSTRAINTS ?= constraints/tested.txt
+# The oldest Triton the package supports (pyproject: triton>=3.6; the GPU machine's version).
+TRITON_OLDEST ?= 3.6.0
+OLD_VENV ?= .venv-triton-oldest
+KERNEL_TESTS = tests/test_kernels.py tests/test_oneshot.py tests/test_benchmarks_cpu.py
 
-.PHONY: install demo test
+.PHONY: install demo test test-triton-oldest
 
-# torch 2.13.0 (CPU build) lies on disk on the project's machines; the package itself only needs torch>=2.6.
-install:
-	$(PIP) "torch==2.13.0" && $(PIP) -e ".[dev]"
+$(VPY):
+	$(PY) -m venv $(VENV)
+
+# torch 2.13.0 (CPU build) lies on disk on the project's machines; the package needs torch>=2.6.
+install: $(VPY)
+	$(PIP) -c $(CONSTRAINTS) "torch==2.13.0" && $(PIP) -c $(CONSTRAINTS) -e ".[dev]"
 
 demo: install
-	$(PY) -m echo_tp.cli demo
+	$(VPY) -m echo_tp.cli demo
 
 test: install
-	$(PY) -m pytest -q tests
+	$(VPY) -m pytest -q tests
+
+# The kernel tests again, in a second new environment that differs only in Triton's version.
+test-triton-oldest:
+	$(PY) -m venv $(OLD_VENV)
+	sed 's/^triton==.*/triton==$(TRITON_OLDEST)/' $(CONSTRAINTS) > $(OLD_VENV)/constraints.txt
+	$(OLD_VENV)/bin/python -m pip install -q --disable-pip-version-check \
+	    -c $(OLD_VENV)/constraints.txt "torch==2.13.0" -e ".[dev]"
+	$(OLD_VENV)/bin/python -c "import triton; assert triton.__version__ == '$(TRITON_OLDEST)', triton.__version__"
+	$(OLD_VENV)/bin/python -m pytest -q $(KERNEL_TESTS)

@@ -37,7 +37,7 @@ from triton import knobs
 from .. import envs
 from ..compensator import CompState
 from ..config import CompensatorConstants, EchoConfig, QuantSpec
-from .flags import signal, wait_geq
+from .flags import gated, signal, wait_geq
 from .quant_kernels import (DTYPE_KIND, HW_FORMS, LAUNCH_OPTS, _cast_out, _codes, _dequant,
                             _group_params, _load_codes, _load_f32, _store_codes,
                             spec_constexprs)
@@ -266,7 +266,7 @@ def _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, table_ptr,
                 acc = acc + v
         s16, sf, z16, zf, finite = _group_params(acc, QUANT, LEVELS, QMAX)
         q = _codes(acc, sf, zf, finite, QUANT, LEVELS, QMAX)
-        pmask = gmask & ok
+        pmask = gated(gmask, ok)
         for i in tl.static_range(P):                       # own slot last
             dst = _buffer(table_ptr, (RANK + 1 + i) % P) + _slot(P + RANK, slot)
             _store_packet(dst, scale_off, zero_off, grp, pmask, q, s16, z16, GS, BITS, SG,
@@ -277,13 +277,13 @@ def _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, table_ptr,
                 inv = tl.math.div_rn(tl.full([], 1.0, tl.float32), f)
                 y32 = y32 * inv
             if OWN_Y:
-                tl.store(y_ptr + e, _cast_out(y32, X_KIND), mask=emask & ok)
+                tl.store(y_ptr + e, _cast_out(y32, X_KIND), mask=gated(emask, ok))
             if LOCAL:
                 if SCALED:
                     u = acc * inv - _as_f32_of_out(y32, X_KIND)
                 else:
                     u = acc - _as_f32_of_out(y32, X_KIND)
-                _update(m1_ptr, m2_ptr, e, emask & ok, m1, m2, u, b1, omb1, b2, omb2)
+                _update(m1_ptr, m2_ptr, e, gated(emask, ok), m1, m2, u, b1, omb1, b2, omb2)
     if ok:
         for i in tl.static_range(P):
             peer = _buffer(table_ptr, (RANK + 1 + i) % P)
@@ -313,7 +313,7 @@ def _tail_tile(t, j, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, table_ptr,
                       t, j, timeout, USE_TIMER)
     for c in tl.range(0, BG // SG):
         grp, gmask, e, emask = _step_ids(t, c, j, seg, groups, n, BG, SG, GS)
-        emask = emask & ok
+        emask = gated(emask, ok)
         y32 = _decode_slot(own + _slot(P + j, slot), scale_off, zero_off, grp, gmask, GS, BITS,
                            SG, QUANT, QMAX)
         if SCALED:

@@ -82,6 +82,15 @@ def wait_geq(flag_ptr, wanted, abort_ptr, err_ptr, rank, stage, tile, peer, time
     return ok
 
 
+@triton.jit
+def gated(mask, ok):
+    """`mask & ok` for a block mask and a scalar bool (a wait's result), written as a select.
+    Triton 3.9's interpreter splats a scalar comparison with its operands' dtype (int64 for a
+    flag), so `mask & ok` there is no bool mask and stores reject it; compiled, both are one
+    select."""
+    return tl.where(ok, mask, False)
+
+
 def timeout_units(timeout_s: float, use_timer: bool) -> int:
     """ECHO_FLAG_TIMEOUT_S -> the `timeout` argument of wait_geq (ns, or a poll count)."""
     return int(timeout_s * 1e9) if use_timer else max(1, int(timeout_s * 1e9 / POLL_NS))

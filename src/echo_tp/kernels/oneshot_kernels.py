@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from .allreduce_kernels import _buffer, launch
-from .flags import signal, wait_geq
+from .flags import gated, signal, wait_geq
 from .quant_kernels import DTYPE_KIND, _cast_out, _load_f32
 
 TILE = 2048
@@ -94,7 +94,7 @@ def oneshot_kernel(x_ptr, y_ptr, epochs_ptr, table_ptr, n, tiles, slot, flags_of
                 acc = v
             else:
                 acc = acc + v
-        tl.store(y_ptr + e, _cast_out(acc, X_KIND), mask=m & ok)
+        tl.store(y_ptr + e, _cast_out(acc, X_KIND), mask=gated(m, ok))
         t += G
     tl.debug_barrier()
     tl.store(epochs_ptr + c, ep)
