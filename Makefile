@@ -16,8 +16,12 @@ $(VPY):
 	$(PY) -m venv $(VENV)
 
 # torch 2.13.0 (CPU build) lies on disk on the project's machines; the package needs torch>=2.6.
-install: $(VPY)
+# The stamp re-runs pip only when the package metadata or the tested set changes.
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS) | $(VPY)
 	$(PIP) -c $(CONSTRAINTS) "torch==2.13.0" && $(PIP) -c $(CONSTRAINTS) -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
 
 demo: install
 	$(VPY) -m echo_tp.cli demo
