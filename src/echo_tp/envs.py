@@ -4,6 +4,7 @@ A bad value raises ValueError naming the flag and what it accepts.
 """
 from __future__ import annotations
 
+import math
 import os
 
 
@@ -33,7 +34,8 @@ def _number(name: str, default, cast, ok, expected: str):
 
 
 def _float(name: str, default: float) -> float:
-    return _number(name, default, float, lambda v: v > 0, "a positive number")
+    return _number(name, default, float, lambda v: math.isfinite(v) and v > 0,
+                   "a finite positive number of seconds")
 
 
 def _choice(name: str, default: str, choices: tuple[str, ...]) -> str:
@@ -59,14 +61,22 @@ def debug_checks() -> bool:
     return _bool("ECHO_DEBUG_CHECKS", False)
 
 
+def cli_traceback() -> bool:
+    """ECHO_CLI_TRACEBACK: the CLI prints a failed rank's full traceback above its one-line
+    error (default: the line only)."""
+    return _bool("ECHO_CLI_TRACEBACK", False)
+
+
 def flag_timeout_s() -> float:
     """ECHO_FLAG_TIMEOUT_S: seconds a p2p kernel waits on a peer's flag before failing."""
     return _float("ECHO_FLAG_TIMEOUT_S", 5.0)
 
 
 def collective_timeout_s() -> float:
-    """ECHO_COLLECTIVE_TIMEOUT_S: seconds a gloo rank started by echo_tp.launch waits on a peer
-    in any collective before failing (instead of hanging)."""
+    """ECHO_COLLECTIVE_TIMEOUT_S: seconds a rank waits on a peer in any collective of a group
+    echo-tp builds (echo_tp.launch, tp/runtime.py under torchrun, the benchmarks) before it fails
+    with an error naming its rank and the stage; groups a user builds get it by passing
+    `timeout=echo_tp.launch.group_timeout()` (README)."""
     return _float("ECHO_COLLECTIVE_TIMEOUT_S", 300.0)
 
 
