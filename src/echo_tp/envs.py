@@ -57,7 +57,8 @@ def torch_quant() -> bool:
 
 
 def debug_checks() -> bool:
-    """ECHO_DEBUG_CHECKS: every call all-gathers (numel, dtype) to catch ranks that disagree."""
+    """ECHO_DEBUG_CHECKS: every call checks its (numel, dtype, bits, direction) across ranks
+    (default: each new signature once per communicator, then cached)."""
     return _bool("ECHO_DEBUG_CHECKS", False)
 
 

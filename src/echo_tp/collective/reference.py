@@ -31,10 +31,10 @@ class DistTransport:
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
 
-    def _wait(self, stage: str, op, *args, **kw) -> None:
-        """op(*args, group=..., **kw), its failure re-raised with this rank and `stage`."""
+    def _wait(self, stage: str, collective, /, *args, **kw) -> None:
+        """collective(*args, group=..., **kw), a failure re-raised with this rank and stage."""
         try:
-            op(*args, group=self.group, **kw)
+            collective(*args, group=self.group, **kw)
         except RuntimeError as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise PeerWaitError(
