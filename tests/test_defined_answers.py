@@ -95,36 +95,39 @@ def test_group_of_one_returns_its_input_exactly():
 # ----- 6. faults in bounded time --------------------------------------------------------------
 def _slow_rank1(rank, world_size):
     if rank == 1:
-        time.sleep(40)
+        time.sleep(90)
     return rank
 
 
+# bounds on wall time leave room for a loaded machine (a spawn can take 10 s there); each is
+# far below the time the old code took (the sleeping rank's 90 s)
 def test_run_ranks_honours_its_timeout():
     t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"rank 1 did not finish within 15 s"):
-        run_ranks(2, _slow_rank1, timeout=15.0)    # rank 0 is done by then (spawn: ~5 s)
-    assert time.monotonic() - t0 < 35
+    with pytest.raises(RuntimeError, match=r"did not finish within 15 s \(still running: "
+                                           r"ranks \[(0, )?1\]\)"):
+        run_ranks(2, _slow_rank1, timeout=15.0)
+    assert time.monotonic() - t0 < 60
 
 
 def _fail_fast_rank0(rank, world_size):
     if rank == 0:
         raise ValueError("rank zero is broken")
-    time.sleep(40)
+    time.sleep(90)
     return rank
 
 
 def test_a_failing_rank_is_reported_without_waiting_for_the_others():
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="rank 0 failed.*rank zero is broken"):
-        run_ranks(2, _fail_fast_rank0, timeout=120.0)
-    assert time.monotonic() - t0 < 20
+        run_ranks(2, _fail_fast_rank0, timeout=200.0)
+    assert time.monotonic() - t0 < 60
 
 
 def _skip_second_call(rank, world_size):
     comm = EchoCommunicator.from_group(None, EchoConfig(bits=4))
     comm.all_reduce(torch.ones(1024))
     if rank == 1:
-        time.sleep(20)        # alive, but never makes the second call
+        time.sleep(90)        # alive, but never makes the second call
         return "skipped"
     comm.all_reduce(torch.ones(1024))
     return "returned"
@@ -134,10 +137,10 @@ def test_a_rank_that_skips_a_call_fails_its_peer_by_name(monkeypatch):
     monkeypatch.setenv("ECHO_COLLECTIVE_TIMEOUT_S", "3")
     t0 = time.monotonic()
     with pytest.raises(RuntimeError) as e:
-        run_ranks(2, _skip_second_call, timeout=60.0)
+        run_ranks(2, _skip_second_call, timeout=200.0)
     msg = str(e.value)
     assert "rank 0" in msg and "all-to-all" in msg and "ECHO_COLLECTIVE_TIMEOUT_S" in msg, msg
-    assert time.monotonic() - t0 < 15
+    assert time.monotonic() - t0 < 60
 
 
 def test_torchrun_groups_get_the_echo_timeout(monkeypatch):
