@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from . import envs
 from .collective.dispatch import Dispatcher, build_dispatcher
+from .collective.reference import DistTransport
 from .collective.simulated import SimTransport
 from .compensator import PassState
 from .config import DIRECTIONS, EchoConfig, check_bits
@@ -188,7 +189,6 @@ class EchoCommunicator:
         if sig in self._checked:
             return
         if self._check_transport is None:
-            from .collective.reference import DistTransport
             self._check_transport = DistTransport(self.group)
         check_same_call(sig, self._check_transport, flat.device)
         if not self._debug_checks:
