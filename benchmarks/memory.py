@@ -29,7 +29,6 @@ def _rss_kib() -> int:
 
 def _measure(comm, x: torch.Tensor, direction: str) -> dict:
     """One call's peak over the resident set before it, in bytes, with its input's bytes."""
-    from echo_tp.config import DIRECTIONS  # noqa: F401 - the package is importable
     cfg = comm.config
     n = x.shape[-1] if comm.simulated else x.numel()
     if cfg.compensated:   # the persistent state exists before the measured call

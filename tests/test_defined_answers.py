@@ -208,7 +208,8 @@ def test_sigint_to_the_parent_ends_every_rank(tmp_path):
 @pytest.mark.parametrize("value", ["inf", "nan", "0", "-1"])
 def test_timeouts_must_be_finite_positive(monkeypatch, flag, value):
     monkeypatch.setenv(flag, value)
-    read = envs.collective_timeout_s if flag == "ECHO_COLLECTIVE_TIMEOUT_S" else envs.flag_timeout_s
+    read = {"ECHO_COLLECTIVE_TIMEOUT_S": envs.collective_timeout_s,
+            "ECHO_FLAG_TIMEOUT_S": envs.flag_timeout_s}[flag]
     with pytest.raises(ValueError, match=flag):
         read()
 

@@ -8,10 +8,9 @@ Every operation of the algorithm is per element or per quantization group, group
 a chunk (c0, c1 and seg are multiples of g), owner sums stay in rank order and the backward
 scale is the group-wide max over the whole call (one scalar, taken before the chunks), so the
 chunked call returns bit for bit what one call over [*B, N] returns, and leaves the same state
-(tests/test_defined_answers.py). A call costs two collectives per chunk instead of two.
-Peak memory: the output plus about ten fp32 temporaries of a chunk's size, instead of ten of the
-call's size (docs/results/2026-12-01-defined-answers.md has the figures: under 3x the input's bytes once a
-call spans MAX_CHUNKS chunks).
+(tests/test_defined_answers.py). A chunked call makes two collectives per chunk (one call: two).
+Peak memory: the output plus ~14 fp32 temporaries of a chunk's size instead of the call's size:
+under 3x the input's bytes (docs/results/2026-12-01-defined-answers.md has the figures).
 """
 from __future__ import annotations
 
