@@ -66,8 +66,9 @@ def _entry(rank, world, port, outdir, fn, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.cuda.set_device(rank)
+    from echo_tp.launch import group_timeout
     dist.init_process_group("nccl", rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
+                            device_id=torch.device("cuda", rank), timeout=group_timeout())
     import traceback
     try:
         result = ("ok", fn(rank, world, *args))

@@ -303,7 +303,8 @@ def main() -> None:
                          "(CUDA events, separate untimed-step pass): ar_ms_<comm> per step")
     a = ap.parse_args()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl")
+    from echo_tp.launch import group_timeout
+    dist.init_process_group("nccl", timeout=group_timeout())
     rank, world = dist.get_rank(), dist.get_world_size()
     t0 = time.time()
     rows = []

@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from . import envs
+
 
 def _demo(sub):
     p = sub.add_parser("demo", help="one pass of N sites on P gloo ranks: 16/8/4-bit vs Echo")
@@ -124,11 +126,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Errors a user can fix (bad input; a rank of --world-size that failed, died or hung)
+    print one line and return 2; ECHO_CLI_TRACEBACK=1 prints the rank's traceback too."""
+    from .launch import RankError
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
     except ValueError as e:
         print(f"echo-tp: error: {e}", file=sys.stderr)
+        return 2
+    except RankError as e:
+        if envs.cli_traceback() and e.detail:
+            print(e.detail, file=sys.stderr)
+        print(f"echo-tp: error: {e.summary}", file=sys.stderr)
         return 2
     return 0
 

@@ -10,25 +10,44 @@ Sites are numbered in call order within a pass. One compensator state pair per d
 size (compensator.PassState). bits=16 runs the plain all-reduce through the same API. The
 backend is picked per call by a dispatcher (collective/dispatch.py) that falls back, ending at
 the torch.distributed reference.
+
+Defined answers (issue 15):
+* Ranks must make the same calls: each new call signature (numel, dtype, bits, direction) is
+  checked once per communicator with one small all-gather of 4 integers, then cached, so ranks
+  that disagree get a ValueError on every rank before any packet moves (ECHO_DEBUG_CHECKS=1
+  checks every call: a rank whose signature is cached cannot notice a peer's new one, so only
+  the debug mode also catches a disagreement on a signature both ranks used before).
+* A group of one returns its input exactly (a copy, or x itself with inplace=True).
+* One communicator serves one thread: a second thread entering all_reduce while another is
+  inside raises RuntimeError, and the communicator refuses every later call (the two calls'
+  packets may have met their peers' in either order); build one communicator per thread.
+* Inputs that require grad (with grad mode on) are refused: all_reduce is no autograd op; the
+  TP layers (tp/sites.py) give it its backward.
+* Calls outside any pass keep one state stream per tensor size; past MAX_STREAMS sizes the
+  oldest stream is dropped (its compensation restarts from zero, as at a new pass).
 """
 from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 
 import torch
 import torch.distributed as dist
 
 from . import envs
 from .collective.dispatch import Dispatcher, build_dispatcher
+from .collective.reference import DistTransport
 from .collective.simulated import SimTransport
 from .compensator import PassState
-from .config import DIRECTIONS, EchoConfig
+from .config import DIRECTIONS, EchoConfig, check_bits
 from .telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_STREAMS = 16
+"""Compensator state streams (distinct tensor sizes) one direction keeps; the oldest beyond."""
 
 
 class EchoCommunicator:
@@ -46,6 +65,11 @@ class EchoCommunicator:
         self.telemetry = Telemetry() if telemetry else None
         self._configs: dict[int, EchoConfig] = {}
         self._debug_checks = envs.debug_checks()
+        self._checked: set[tuple] = set()          # call signatures every rank agreed on
+        self._check_transport = None
+        self._entry = threading.Lock()
+        self._broken: str | None = None
+        self._open_scopes: set[str] = set()
 
     @classmethod
     def from_group(cls, group: dist.ProcessGroup | None = None, config: EchoConfig | None = None,
@@ -67,9 +91,20 @@ class EchoCommunicator:
 
     @contextlib.contextmanager
     def pass_scope(self, direction: str = "forward"):
-        """`with comm.pass_scope('forward'):` runs one pass with fresh compensator state."""
+        """`with comm.pass_scope('forward'):` runs one pass with fresh compensator state.
+        Scopes of one direction do not nest (the inner one would reset the outer pass)."""
+        _check_direction(direction)
+        if direction in self._open_scopes:
+            raise RuntimeError(f"a {direction!r} pass_scope is already open on this "
+                               "communicator; a nested one would reset the outer pass's "
+                               "compensator state. Close the outer scope first, or use a second "
+                               "communicator for an independent pass")
         self.new_pass(direction)
-        yield self
+        self._open_scopes.add(direction)
+        try:
+            yield self
+        finally:
+            self._open_scopes.discard(direction)
 
     def state(self, direction: str = "forward", numel: int | None = None):
         """The compensator state (CompState) of a direction's stream of `numel`-sized sites."""
@@ -82,7 +117,10 @@ class EchoCommunicator:
 
     # ----- the collective -----
     def config_for(self, bits: int | None) -> EchoConfig:
-        if bits is None or bits == self.config.bits:
+        if bits is None:
+            return self.config
+        check_bits(bits, "all_reduce(bits=...)")
+        if bits == self.config.bits:
             return self.config
         cfg = self._configs.get(bits)
         if cfg is None:
@@ -96,22 +134,45 @@ class EchoCommunicator:
         `bits` overrides the config's width for this site (per-site policies). `inplace=True`
         lets a plain (16-bit) all-reduce reuse x's storage (saves a copy; the caller must not
         need x afterwards); quantized calls always return a new tensor."""
+        if not self._entry.acquire(blocking=False):
+            self._broken = ("all_reduce was entered from two threads at once on one "
+                            "communicator; the calls' results are undefined (their packets may "
+                            "have met the peers' in either order), so this communicator refuses "
+                            "every call now. Use one communicator per thread, or serialize the "
+                            "calls")
+            raise RuntimeError(self._broken)
+        try:
+            self._refuse_if_broken()
+            y = self._all_reduce(x, direction, bits, inplace)
+            self._refuse_if_broken()
+            return y
+        finally:
+            self._entry.release()
+
+    def _refuse_if_broken(self) -> None:
+        if self._broken is not None:
+            raise RuntimeError(self._broken)
+
+    def _all_reduce(self, x, direction, bits, inplace):
         _check_direction(direction)
         self._check_input(x)
         cfg = self.config_for(bits)
         ps = self.passes[direction]
         site = ps.sites
-        ps.sites += 1
         flat = self._flatten(x)
+        if not self.simulated:
+            self._check_call(flat, cfg, direction)
+        ps.sites += 1
         if flat.shape[-1] == 0:
             return x.clone()
-        if self._debug_checks and not self.simulated:
-            check_same_shape(flat, self.group)
+        if self.world_size == 1:       # the sum over a group of one is the input, exactly
+            return x if inplace else x.clone()
         state = None
         if cfg.compensated:
             sdtype = getattr(torch, cfg.state_dtype)
             state = ps.get(flat.shape[-1], tuple(flat.shape[:-1]), flat.device, sdtype,
                            compact=cfg.beta1 == cfg.beta2)   # one tensor when m1 == m2
+            _bound_streams(ps, flat.shape[-1])
         record = self.telemetry is not None and cfg.quantized
         inplace = inplace and x.is_contiguous() and (flat is x or flat.data_ptr() == x.data_ptr())
         y, rec = self.dispatcher.run(flat, cfg, state=state, backward=direction == "backward",
@@ -121,6 +182,18 @@ class EchoCommunicator:
                                   rec=rec, simulated=self.simulated)
         return y if flat is x else y.reshape(x.shape)
 
+    def _check_call(self, flat: torch.Tensor, cfg: EchoConfig, direction: str) -> None:
+        """Every rank makes this call with the same signature: checked once per signature (every
+        call under ECHO_DEBUG_CHECKS=1), a ValueError on every rank otherwise."""
+        sig = (flat.shape[-1], DTYPES.index(flat.dtype), cfg.bits, DIRECTIONS.index(direction))
+        if sig in self._checked:
+            return
+        if self._check_transport is None:
+            self._check_transport = DistTransport(self.group)
+        check_same_call(sig, self._check_transport, flat.device)
+        if not self._debug_checks:
+            self._checked.add(sig)
+
     def _flatten(self, x: torch.Tensor) -> torch.Tensor:
         return x if x.dim() == 1 else x.reshape(-1)
 
@@ -129,6 +202,11 @@ class EchoCommunicator:
             raise TypeError(f"all_reduce expects a torch.Tensor, got {type(x).__name__}")
         if x.dtype not in DTYPES:
             raise ValueError(f"all_reduce supports {DTYPES}, got {x.dtype}")
+        if x.requires_grad and torch.is_grad_enabled():
+            raise RuntimeError("all_reduce got a tensor that requires_grad with grad mode on, "
+                               "but it is no autograd op (its result would be detached). Call "
+                               "it under torch.no_grad() or on x.detach(), or use the TP layers "
+                               "of echo_tp.tp, whose sites give the all-reduce its backward")
 
     def telemetry_summary(self, reduce: bool = True) -> list[dict]:
         if self.telemetry is None:
@@ -183,10 +261,32 @@ def check_same_config(config: EchoConfig, group=None) -> None:
                          + ", ".join(f"rank {r} has {sigs[r]}" for r in bad))
 
 
-def check_same_shape(flat: torch.Tensor, group=None) -> None:
-    """Debug check (ECHO_DEBUG_CHECKS=1): all ranks pass the same numel and dtype."""
-    world = dist.get_world_size(group)
-    got: list = [None] * world
-    dist.all_gather_object(got, (flat.numel(), str(flat.dtype)), group=group)
-    if any(g != got[0] for g in got):
-        raise ValueError(f"all_reduce inputs differ across ranks (numel, dtype): {got}")
+def _bound_streams(ps, keep: int) -> None:
+    """At most MAX_STREAMS state streams per direction: drop the oldest (not `keep`)."""
+    while len(ps.streams) > MAX_STREAMS:
+        oldest = next(n for n in ps.streams if n != keep)
+        del ps.streams[oldest]
+        log.warning("echo-tp: more than %d tensor sizes in one pass; dropped the compensator "
+                    "state of size %d (start passes with new_pass/pass_scope)", MAX_STREAMS,
+                    oldest)
+
+
+def _describe(sig) -> str:
+    n, dt, bits, d = (int(v) for v in sig)
+    dtype = DTYPES[dt] if 0 <= dt < len(DTYPES) else f"dtype#{dt}"
+    direction = DIRECTIONS[d] if 0 <= d < len(DIRECTIONS) else f"direction#{d}"
+    return f"(numel={n}, dtype={dtype}, bits={bits}, direction={direction!r})"
+
+
+def check_same_call(sig: tuple, transport, device) -> None:
+    """One small all-gather (4 integers a rank): every rank passes the same (numel, dtype,
+    bits, direction); ValueError on every rank, naming each rank's call, otherwise."""
+    got = transport.all_gather_ints(list(sig), device=device, stage="call-signature check")
+    bad = [r for r, g in enumerate(got) if g != got[0]]
+    if bad:
+        raise ValueError("all_reduce calls differ across ranks: rank 0 calls "
+                         + _describe(got[0]) + ", "
+                         + ", ".join(f"rank {r} calls {_describe(got[r])}" for r in bad)
+                         + ". Every rank must make the same all_reduce calls in the same order "
+                         "(same numel, dtype, bits and direction); nothing was sent")
+

@@ -22,6 +22,31 @@ BITS = (4, 8, 16)
 DIRECTIONS = ("forward", "backward")
 
 
+class ConfigTypeError(TypeError, ValueError):
+    """A setting of the wrong type (a TypeError; also a ValueError, so callers that catch bad
+    settings as ValueError, like the CLI, report it in one line)."""
+
+
+def check_int(name: str, v) -> None:
+    """v must be an int (not a bool, not a float such as 4.0)."""
+    if isinstance(v, bool) or not isinstance(v, int):
+        hint = f"; write {name}={int(v)}" if isinstance(v, float) and v.is_integer() else ""
+        raise ConfigTypeError(f"{name} must be an int, got {v!r} ({type(v).__name__}){hint}")
+
+
+def check_bits(bits, name: str = "bits") -> None:
+    """bits must be the int 4, 8 or 16."""
+    check_int(name, bits)
+    if bits not in BITS:
+        raise ValueError(f"{name} must be one of {BITS}, got {bits!r}")
+
+
+def check_group_size(g) -> None:
+    check_int("group_size", g)
+    if g < 8 or g & (g - 1):
+        raise ValueError(f"group_size must be a power of two >= 8 (e.g. 128), got {g!r}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class QuantSpec:
     """What one group quantizer needs: bit width, group size and policy."""
@@ -35,11 +60,10 @@ class QuantSpec:
     the group minimum) or 'symmetric' (no zero-point, code -2^(b-1) unused)."""
 
     def __post_init__(self) -> None:
+        check_int("QuantSpec.bits", self.bits)
         if self.bits not in (4, 8):
             raise ValueError(f"QuantSpec.bits must be 4 or 8, got {self.bits!r}")
-        g = self.group_size
-        if not isinstance(g, int) or g < 8 or g & (g - 1):
-            raise ValueError(f"group_size must be a power of two >= 8, got {g!r}")
+        check_group_size(self.group_size)
         if self.quantizer not in QUANTIZERS:
             raise ValueError(f"quantizer must be one of {QUANTIZERS}, got {self.quantizer!r}")
 
@@ -102,21 +126,26 @@ class EchoConfig:
     kernels' speed (2 H200s, 1 GiB: one bf16 tensor 1.8x NCCL, fp32 pair 1.0x)."""
 
     def __post_init__(self) -> None:
-        if self.bits not in BITS:
-            raise ValueError(f"bits must be one of {BITS}, got {self.bits!r}")
-        if self.bits != 16:
-            QuantSpec(bits=self.bits, group_size=self.group_size, quantizer=self.quantizer)
-        elif self.quantizer not in QUANTIZERS:
+        check_bits(self.bits)
+        # checked at 16 bits too: a per-site policy switches single sites to 4 or 8 bits
+        check_group_size(self.group_size)
+        if self.quantizer not in QUANTIZERS:
             raise ValueError(f"quantizer must be one of {QUANTIZERS}, got {self.quantizer!r}")
         for name in ("eta", "a", "beta1", "beta2"):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not math.isfinite(v):
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ConfigTypeError(f"{name} must be a number (int or float), got {v!r} "
+                                      f"({type(v).__name__})")
+            if not math.isfinite(v):
                 raise ValueError(f"{name} must be a finite number, got {v!r}")
         if self.eta < 0:
             raise ValueError(f"eta must be >= 0, got {self.eta}")
         for name in ("a", "beta1", "beta2"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must lie in [0, 1], got {getattr(self, name)}")
+        if not isinstance(self.grad_scaling, bool):
+            raise ConfigTypeError(f"grad_scaling must be True or False, got "
+                                  f"{self.grad_scaling!r} ({type(self.grad_scaling).__name__})")
         if self.residual not in RESIDUAL_MODES:
             raise ValueError(f"residual must be one of {RESIDUAL_MODES}, got {self.residual!r}")
         if self.state_dtype not in STATE_DTYPES:
@@ -203,5 +232,5 @@ def _constants(eta: float, a: float, beta1: float, beta2: float) -> CompensatorC
     return CompensatorConstants._build(SimpleNamespace(eta=eta, a=a, beta1=beta1, beta2=beta2))
 
 
-__all__ = ["EchoConfig", "QuantSpec", "CompensatorConstants", "QUANTIZERS", "RESIDUAL_MODES",
-           "DIRECTIONS"]
+__all__ = ["EchoConfig", "QuantSpec", "ConfigTypeError", "check_bits", "CompensatorConstants",
+           "QUANTIZERS", "RESIDUAL_MODES", "DIRECTIONS"]

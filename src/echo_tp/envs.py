@@ -4,6 +4,7 @@ A bad value raises ValueError naming the flag and what it accepts.
 """
 from __future__ import annotations
 
+import math
 import os
 
 
@@ -33,7 +34,8 @@ def _number(name: str, default, cast, ok, expected: str):
 
 
 def _float(name: str, default: float) -> float:
-    return _number(name, default, float, lambda v: v > 0, "a positive number")
+    return _number(name, default, float, lambda v: math.isfinite(v) and v > 0,
+                   "a finite positive number of seconds")
 
 
 def _choice(name: str, default: str, choices: tuple[str, ...]) -> str:
@@ -55,8 +57,15 @@ def torch_quant() -> bool:
 
 
 def debug_checks() -> bool:
-    """ECHO_DEBUG_CHECKS: every call all-gathers (numel, dtype) to catch ranks that disagree."""
+    """ECHO_DEBUG_CHECKS: every call checks its (numel, dtype, bits, direction) across ranks
+    (default: each new signature once per communicator, then cached)."""
     return _bool("ECHO_DEBUG_CHECKS", False)
+
+
+def cli_traceback() -> bool:
+    """ECHO_CLI_TRACEBACK: the CLI prints a failed rank's full traceback above its one-line
+    error (default: the line only)."""
+    return _bool("ECHO_CLI_TRACEBACK", False)
 
 
 def flag_timeout_s() -> float:
@@ -65,8 +74,10 @@ def flag_timeout_s() -> float:
 
 
 def collective_timeout_s() -> float:
-    """ECHO_COLLECTIVE_TIMEOUT_S: seconds a gloo rank started by echo_tp.launch waits on a peer
-    in any collective before failing (instead of hanging)."""
+    """ECHO_COLLECTIVE_TIMEOUT_S: seconds a rank waits on a peer in any collective of a group
+    echo-tp builds (echo_tp.launch, tp/runtime.py under torchrun, the benchmarks) before it fails
+    with an error naming its rank and the stage; groups a user builds get it by passing
+    `timeout=echo_tp.launch.group_timeout()` (README)."""
     return _float("ECHO_COLLECTIVE_TIMEOUT_S", 300.0)
 
 

@@ -3,17 +3,46 @@
     results = run_ranks(world_size, fn, *args)   # fn(rank, world_size, *args) -> picklable
 
 Used by the demo, the CLI's CPU paths and the tests. fn must be importable (module level).
+Every outcome ends in bounded time with a name: the first rank that fails (or dies) is reported
+at once and the others are stopped; ranks still running after `timeout` seconds are stopped and
+named; an interrupt of the parent (Ctrl-C, SIGINT) stops every rank before it propagates. Inside
+the ranks every collective waits at most ECHO_COLLECTIVE_TIMEOUT_S on a peer (group_timeout).
 """
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import tempfile
+import time
 import traceback
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from . import envs
+
+POLL_S = 0.05
+"""How often the parent looks at its ranks."""
+STOP_GRACE_S = 5.0
+"""Seconds a stopped rank gets between SIGTERM and SIGKILL."""
+
+
+class RankError(RuntimeError):
+    """A rank of run_ranks failed, died or did not finish in time. `rank`; `summary`: one line
+    ('rank 1 failed: ValueError: ...'); `detail`: the rank's traceback (may be empty)."""
+
+    def __init__(self, rank: int, summary: str, detail: str = ""):
+        super().__init__(summary + (f"\n{detail}" if detail else ""))
+        self.rank, self.summary, self.detail = rank, summary, detail
+
+
+def group_timeout() -> timedelta:
+    """The wait on a peer every echo-tp group gets (ECHO_COLLECTIVE_TIMEOUT_S): pass it as
+    `dist.init_process_group(..., timeout=group_timeout())` for groups you build yourself."""
+    return timedelta(seconds=envs.collective_timeout_s())
 
 
 def _free_port() -> int:
@@ -26,39 +55,89 @@ def _worker(rank, world_size, port, outdir, fn, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    from datetime import timedelta
-
-    from . import envs
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=envs.collective_timeout_s()))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=group_timeout())
     try:
         result = ("ok", fn(rank, world_size, *args))
     except BaseException:  # noqa: BLE001 - report any failure to the parent
         result = ("error", traceback.format_exc())
-    torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
+    path = _result_path(outdir, rank)
+    torch.save(result, path + ".tmp")
+    os.replace(path + ".tmp", path)   # the parent never reads half a file
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001
         pass
 
 
+def _result_path(outdir: str, rank: int) -> str:
+    return os.path.join(outdir, f"rank{rank}.pt")
+
+
 def run_ranks(world_size: int, fn, *args, timeout: float = 300.0):
     """Run fn(rank, world_size, *args) on world_size gloo processes; return the per-rank results.
-    Raises with the failing rank's traceback."""
+    Raises RankError naming the first rank that failed, died or was still running after
+    `timeout` seconds; every rank is stopped before run_ranks returns or raises."""
+    if not timeout > 0:
+        raise ValueError(f"run_ranks timeout must be > 0 seconds, got {timeout!r}")
     with tempfile.TemporaryDirectory() as outdir:
         ctx = mp.start_processes(_worker, args=(world_size, _free_port(), outdir, fn, args),
                                  nprocs=world_size, join=False, start_method="spawn")
-        if not ctx.join(timeout=timeout):
-            # join() returns False while processes are alive: wait until they are all done
-            while not ctx.join(timeout=timeout):
-                pass
-        results = []
-        for r in range(world_size):
-            path = os.path.join(outdir, f"rank{r}.pt")
-            if not os.path.exists(path):
-                raise RuntimeError(f"rank {r} produced no result")
-            status, value = torch.load(path, weights_only=False)
-            if status == "error":
-                raise RuntimeError(f"rank {r} failed:\n{value}")
-            results.append(value)
-        return results
+        try:
+            return _collect(ctx.processes, outdir, timeout)
+        finally:
+            _stop(ctx.processes)
+
+
+def _collect(procs, outdir: str, timeout: float) -> list:
+    deadline = time.monotonic() + timeout
+    results: dict[int, object] = {}
+    while True:
+        for r in range(len(procs)):
+            if r not in results and os.path.exists(_result_path(outdir, r)):
+                status, value = torch.load(_result_path(outdir, r), weights_only=False)
+                if status == "error":
+                    raise RankError(r, f"rank {r} failed: {_last_line(value)}", value)
+                results[r] = value
+        if len(results) == len(procs):
+            return [results[r] for r in range(len(procs))]
+        for r, p in enumerate(procs):
+            if r not in results and not p.is_alive() \
+                    and not os.path.exists(_result_path(outdir, r)):
+                raise RankError(r, f"rank {r} died ({_exit_reason(p.exitcode)}) before "
+                                   "reporting a result")
+        if time.monotonic() > deadline:
+            late = [r for r in range(len(procs)) if r not in results]
+            raise RankError(late[0], f"rank {late[0]} did not finish within {timeout:g} s "
+                                     f"(still running: ranks {late}); a rank waiting on a peer "
+                                     "fails after ECHO_COLLECTIVE_TIMEOUT_S, a slow fn needs "
+                                     "run_ranks(timeout=...)")
+        time.sleep(POLL_S)
+
+
+def _last_line(tb: str) -> str:
+    lines = [ln for ln in tb.strip().splitlines() if ln.strip()]
+    return lines[-1].strip() if lines else "unknown error"
+
+
+def _exit_reason(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+def _stop(procs) -> None:
+    """Every rank ends: a short wait for ranks that are done, SIGTERM, then SIGKILL."""
+    end = time.monotonic() + STOP_GRACE_S
+    for p in procs:
+        p.join(timeout=max(0.0, min(1.0, end - time.monotonic())))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=max(0.0, end - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=1.0)

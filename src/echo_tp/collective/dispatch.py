@@ -19,14 +19,16 @@ import torch.distributed as dist
 from .. import envs
 from ..compensator import CompState
 from ..config import EchoConfig
-from .qar import StepRecord, compensated_all_reduce
+from .chunked import chunked_all_reduce
+from .qar import StepRecord
 from .reference import DistTransport
 
 log = logging.getLogger(__name__)
 
 
 class TransportBackend:
-    """The unfused algorithm (collective/qar.py) over a transport; takes every call."""
+    """The unfused algorithm (collective/qar.py) over a transport, large calls in bounded
+    memory (collective/chunked.py: same bits); takes every call."""
 
     def __init__(self, transport):
         self.transport = transport
@@ -40,8 +42,8 @@ class TransportBackend:
             record: bool, inplace: bool = False) -> tuple[torch.Tensor, StepRecord | None]:
         if not cfg.quantized:
             return self.transport.all_sum(x, inplace=inplace), None
-        return compensated_all_reduce(x, cfg, self.transport, state=state, backward=backward,
-                                      record=record)
+        return chunked_all_reduce(x, cfg, self.transport, state=state, backward=backward,
+                                  record=record)
 
     def close(self) -> None:
         pass

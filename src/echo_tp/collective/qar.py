@@ -123,9 +123,12 @@ class StepRecord:
 
 def compensated_all_reduce(x: torch.Tensor, cfg: EchoConfig, t: Transport, *,
                            state: CompState | None, backward: bool = False,
-                           record: bool = False,
-                           codec=None) -> tuple[torch.Tensor, StepRecord | None]:
+                           record: bool = False, codec=None,
+                           scale: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, StepRecord | None]:
     """x [*B, N] (bf16/fp16/fp32) -> y [*B, N] in x's dtype; updates state in place.
+    scale: the backward power of two [*B, 1] when the caller took it over a larger call
+    (collective/chunked.py); default grad_scale of this call's x'.
 
     Unfused equivalent of the fused p2p kernels: c from state, x' = x + c, optional power-of-two
     scaling (backward), QAR, residual u (output or local mode), state update.
@@ -139,7 +142,7 @@ def compensated_all_reduce(x: torch.Tensor, cfg: EchoConfig, t: Transport, *,
     xf = x.to(torch.float32)
     c = correction(state, k).to(torch.float32) if state is not None else None
     xp = xf + c if c is not None else xf
-    f = grad_scale(xp, t) if backward and cfg.grad_scaling else None
+    f = (grad_scale(xp, t) if scale is None else scale) if backward and cfg.grad_scaling else None
     out = qar(xp * f if f is not None else xp, spec, t, codec)
     seg = out.y32.shape[-1]
     y32 = out.y32.reshape(*x.shape[:-1], P * seg)

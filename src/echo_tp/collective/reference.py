@@ -1,11 +1,21 @@
 """torch.distributed transport for the quantized all-reduce: one all-to-all of packets and one
 all-gather of owner packets. Works on any backend with those collectives (gloo on CPU, NCCL on
 GPUs, also across nodes). This is the reference backend every faster one is compared with.
+
+A collective that fails while waiting on a peer (the group's timeout ran out, a peer died)
+raises PeerWaitError naming this rank and the stage of the call it was in; groups echo-tp
+builds wait ECHO_COLLECTIVE_TIMEOUT_S, a user's group its own timeout (README).
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from .. import envs
+
+
+class PeerWaitError(RuntimeError):
+    """A collective of the reference transport failed waiting on its peers."""
 
 
 class DistTransport:
@@ -21,6 +31,19 @@ class DistTransport:
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
 
+    def _wait(self, stage: str, collective, /, *args, **kw) -> None:
+        """collective(*args, group=..., **kw), a failure re-raised with this rank and stage."""
+        try:
+            collective(*args, group=self.group, **kw)
+        except RuntimeError as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise PeerWaitError(
+                f"echo-tp rank {self.rank} of {self.world_size}: the {stage} failed waiting on "
+                f"its peers ({first}). A peer skipped this call, failed or died. echo-tp's own "
+                f"groups wait ECHO_COLLECTIVE_TIMEOUT_S={envs.collective_timeout_s():g} s; a "
+                "group you build waits its own timeout (pass timeout=echo_tp.launch."
+                "group_timeout())") from e
+
     def own(self, t: torch.Tensor) -> torch.Tensor:
         return t[self.rank]
 
@@ -31,20 +54,30 @@ class DistTransport:
 
     def all_to_all(self, buf: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(buf)
-        dist.all_to_all_single(out, buf.contiguous(), group=self.group)
+        self._wait("all-to-all of packets (QAR step 1)", dist.all_to_all_single, out,
+                   buf.contiguous())
         return out
 
     def all_gather(self, buf: torch.Tensor) -> torch.Tensor:
         out = torch.empty((self.world_size, *buf.shape), dtype=buf.dtype, device=buf.device)
-        dist.all_gather(list(out.unbind(0)), buf.contiguous(), group=self.group)
+        self._wait("all-gather of owner codes (QAR step 3)", dist.all_gather,
+                   list(out.unbind(0)), buf.contiguous())
         return out
 
     def all_max(self, t: torch.Tensor) -> torch.Tensor:
         t = t.clone()
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        self._wait("max all-reduce of the backward scale", dist.all_reduce, t,
+                   op=dist.ReduceOp.MAX)
         return t
 
     def all_sum(self, x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
         y = x if inplace else x.clone()
-        dist.all_reduce(y, group=self.group)
+        self._wait("plain 16-bit all-reduce", dist.all_reduce, y)
         return y
+
+    def all_gather_ints(self, values: list[int], *, device, stage: str) -> list[tuple]:
+        """A few integers from every rank: [(rank 0's), (rank 1's), ...]."""
+        t = torch.tensor(values, dtype=torch.int64, device=device)
+        out = torch.empty((self.world_size, len(values)), dtype=torch.int64, device=device)
+        self._wait(stage, dist.all_gather, list(out.unbind(0)), t)
+        return [tuple(row) for row in out.tolist()]

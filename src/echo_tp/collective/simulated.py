@@ -43,8 +43,12 @@ class SimTransport:
 
     def all_sum(self, x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
         # the plain all-reduce: fp32 sum in rank order, cast back to x's dtype (always a new
-        # tensor: inplace is only a permission)
-        acc = x[0].to(torch.float32)
+        # tensor: inplace is only a permission); one fp32 accumulator, summed in place
+        acc = x[0].to(torch.float32, copy=True)
         for r in range(1, self.world_size):
-            acc = acc + x[r].to(torch.float32)
-        return acc.to(x.dtype).unsqueeze(0).expand_as(x).clone()
+            acc.add_(x[r])
+        out = torch.empty_like(x)
+        out[0].copy_(acc)
+        del acc
+        out[1:].copy_(out[0].expand_as(out[1:]))
+        return out

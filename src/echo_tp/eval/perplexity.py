@@ -174,6 +174,8 @@ def main(*, model: str, data: str, comms: list[str], context: int = 1024,
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     parse_comm_specs(list(comms))  # fail fast, before any process starts
+    if out:
+        check_writable(out, "--out")
     opts = EvalOptions(model=model, data=data, comms=tuple(comms), context=context,
                        stride=stride, batch_size=batch_size, max_windows=max_windows, seed=seed,
                        dtype=dtype, device=device, tokenizer=tokenizer, progress=progress)
@@ -193,6 +195,19 @@ def main(*, model: str, data: str, comms: list[str], context: int = 1024,
             Path(out).parent.mkdir(parents=True, exist_ok=True)
             Path(out).write_text(json.dumps(record, indent=2) + "\n")
     return results
+
+
+def check_writable(path: str, what: str) -> None:
+    """ValueError unless a file can be created at `path` (checked before a long run)."""
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{what} {path} is a directory; name a file, e.g. {p / 'results.json'}")
+    parent = p.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{what} {path}: cannot write there ({parent} is not a writable "
+                         "directory); pick another path")
 
 
 def _world() -> int:

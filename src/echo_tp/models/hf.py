@@ -17,7 +17,7 @@ import math
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from echo_tp.models.config import ModelConfig
@@ -89,14 +89,11 @@ def load_hf_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.bfloat16,
     state: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
     for file in _safetensors_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for key in f.keys():
-                if key in key_map:
-                    state[key_map[key]] = f.get_tensor(key).to(device=device, dtype=dtype)
-                elif key == "lm_head.weight" and cfg.tie_embeddings:
-                    continue  # tied: the embedding is the head
-                elif not key.endswith(IGNORED_SUFFIXES):
-                    unexpected.append(key)
+        try:
+            unexpected += _read_file(file, key_map, cfg, state, device, dtype)
+        except SafetensorError as e:
+            raise ValueError(f"checkpoint file {file} is truncated or corrupt ({e}); save or "
+                             "download it again") from None
     missing = sorted(set(key_map.values()) - set(state))
     if missing or unexpected:
         raise ValueError(
@@ -109,6 +106,21 @@ def load_hf_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.bfloat16,
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()
     return model.eval(), cfg
+
+
+def _read_file(file: Path, key_map: dict, cfg: ModelConfig, state: dict, device,
+               dtype) -> list[str]:
+    """The mapped tensors of one safetensors file into state; returns its unexpected keys."""
+    unexpected = []
+    with safe_open(str(file), framework="pt", device="cpu") as f:
+        for key in f.keys():
+            if key in key_map:
+                state[key_map[key]] = f.get_tensor(key).to(device=device, dtype=dtype)
+            elif key == "lm_head.weight" and cfg.tie_embeddings:
+                continue  # tied: the embedding is the head
+            elif not key.endswith(IGNORED_SUFFIXES):
+                unexpected.append(key)
+    return unexpected
 
 
 def save_hf_checkpoint(model: Transformer, cfg: ModelConfig, path: str | Path) -> None:

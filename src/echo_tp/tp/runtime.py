@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from echo_tp.launch import run_ranks
+from echo_tp.launch import group_timeout, run_ranks
 
 
 @dataclass(frozen=True)
@@ -32,15 +32,15 @@ def in_torchrun() -> bool:
 
 
 def launch(fn, opts, *, simulate: int | None = None, world_size: int | None = None) -> Launched:
-    if simulate and world_size:
+    if simulate is not None and world_size is not None:
         raise ValueError("choose either --simulate P (one process) or --world-size P (gloo)")
-    if simulate:
+    if simulate is not None:
         if simulate < 1:
-            raise ValueError(f"--simulate needs P >= 1, got {simulate}")
+            raise ValueError(f"--simulate needs P >= 1 virtual ranks, got {simulate}")
         return Launched(fn(None, simulate, opts), True)
-    if world_size:
+    if world_size is not None:
         if world_size < 1:
-            raise ValueError(f"--world-size needs P >= 1, got {world_size}")
+            raise ValueError(f"--world-size needs P >= 1 processes, got {world_size}")
         if in_torchrun() or dist.is_initialized():
             raise ValueError("--world-size spawns its own processes; under torchrun leave it out")
         return Launched(run_ranks(world_size, fn, opts)[0], True)
@@ -50,7 +50,7 @@ def launch(fn, opts, *, simulate: int | None = None, world_size: int | None = No
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             if backend == "nccl":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group(backend)
+            dist.init_process_group(backend, timeout=group_timeout())
         try:
             rank, ws = dist.get_rank(), dist.get_world_size()
             return Launched(fn(rank, ws, opts), rank == 0)
