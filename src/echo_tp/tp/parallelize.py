@@ -34,8 +34,11 @@ from torch import nn
 
 from echo_tp.models.transformer import LayerKVCache, Transformer
 
+from .blocks import block_input as _block_input
+from .blocks import join_heads as _join_heads
+from .blocks import set_local_heads as _set_local_heads
 from .plan import (TP_PLAN, BlockInput, Colwise, PartialGradReplicate, Rowwise, SplitParams,
-                   kv_heads, match_plan, q_heads, replica_groups, site_index, unit_rows)
+                   match_plan, replica_groups, site_index, unit_rows)
 from .policy import make_policy
 from .sites import (BackwardPassStart, CopyToTP, ReduceFromTP, SimCopy, SimReduce, Site,
                     TPContext)
@@ -112,23 +115,6 @@ _CACHE_KWARGS = ("cache", "past_key_values")
 
 def _split_layer_cache(cache: LayerKVCache, n_shards: int, shard: nn.Module):
     return [LayerKVCache(cache.batch_size, cache.max_len) for _ in range(n_shards)]
-
-
-def _join_heads(items: list):
-    """Extra per-shard outputs (attention weights [B, H/P, T, S]) -> one, heads in rank order."""
-    if all(i is None for i in items):
-        return None
-    return torch.cat(items, dim=1)
-
-
-def _block_input(args: tuple, kwargs: dict):
-    """The block input and a function that puts a replacement back where it came from."""
-    if args:
-        return args[0], lambda x: ((x, *args[1:]), dict(kwargs))
-    if "hidden_states" in kwargs:
-        return kwargs["hidden_states"], lambda x: ((), {**kwargs, "hidden_states": x})
-    raise ValueError("a TP block takes its input as the first positional argument or as "
-                     f"hidden_states=; got keyword arguments {sorted(kwargs)}")
 
 
 def parallelize(model: Transformer, comm, rank: int | None = None, *, policy=None,
@@ -244,23 +230,6 @@ def _check_no_rowwise_bias(name: str, block: nn.Module) -> None:
     if biased:
         raise ValueError(f"{name}: a row-parallel bias inside a block reduced at its output "
                          f"({biased}) would be summed P times; such blocks are not supported")
-
-
-def _set_local_heads(tp: TPContext, module: nn.Module, rank: int) -> None:
-    """transformers attention keeps head counts in attributes (and Phi-3 reads its config's):
-    set them to the heads this rank keeps, on a per-module copy of the config."""
-    nq = len(q_heads(tp.cfg, tp.world_size, rank))
-    nkv = len(kv_heads(tp.cfg, tp.world_size, rank))
-    local = {"num_key_value_groups": nq // nkv, "num_heads": nq, "num_attention_heads": nq,
-             "num_key_value_heads": nkv}
-    for attr, value in local.items():
-        if isinstance(getattr(module, attr, None), int):
-            setattr(module, attr, value)
-    config = getattr(module, "config", None)
-    if config is not None and hasattr(config, "num_attention_heads"):
-        config = copy.copy(config)
-        config.num_attention_heads, config.num_key_value_heads = nq, nkv
-        module.config = config
 
 
 def _forward_pass_hook(tp: TPContext):
