@@ -13,13 +13,16 @@ layer), Mixtral (fused experts)):
   one family) bit for bit against the simulated run: logits, gradients, greedy tokens.
 - Echo 4-bit vs uncompensated 4-bit relative logit deviation from 16 bits (P=4 simulated, 8
   layers, planted outlier channels): measured ratio 0.10-0.21 over seeds 0-5 on Llama and Qwen3.
+- memory-lean loading (echo_tp.hf.load_hf_tp: meta build, each rank reads its safetensors
+  slices) from a sharded save_pretrained directory == the unsharded model's logits, simulated
+  (P=2, 4) and on the gloo ranks, whose parameters then hold less than the whole model.
 - greedy generation (KV cache, per-shard caches when simulated) == transformers' generate on
   the unsharded model; per-site bit policies reach the communicator; models without a plan and
   unsupported styles raise a ValueError that names them.
 Where to look first: a 16-bit mismatch -> echo_tp/hf/plan.py (a style mapped to the wrong unit
 or block) or tp/plan.py (packed sections, head maths); simulated != gloo -> tp/parallelize.py
 SimTPBlock (a shard must run the very ops of its real rank) or _set_local_heads; a generation
-mismatch -> hf/parallelize.py split_cache.
+mismatch -> hf/parallelize.py split_cache; a loading mismatch -> hf/load.py (_runs / _read).
 """
 import copy
 
@@ -27,7 +30,7 @@ import pytest
 import torch
 
 from echo_tp import EchoConfig, SimulatedCommunicator
-from echo_tp.hf import parallelize_hf
+from echo_tp.hf import load_hf_tp, parallelize_hf
 from echo_tp.tp import rank_parameters, sync_partial_grads
 from harness import run_ranks
 
@@ -147,9 +150,13 @@ def test_simulated_matches_unsharded_at_16_bits(name):
                                     shard_table(model), r)
 
 
-def _worker(rank, world_size):
+def _worker(rank, world_size, ckpt):
     from echo_tp import EchoCommunicator
-    out = {}
+    lean = load_hf_tp(ckpt, EchoCommunicator.from_group(None, EchoConfig(bits=16)), rank,
+                      dtype=torch.float32)
+    with torch.no_grad():
+        out = {"lean": dict(logits=lean(tokens()).logits,
+                            numel=sum(p.numel() for p in lean.parameters()))}
     for name in FAMILIES:
         model = build(name)
         parallelize_hf(model, EchoCommunicator.from_group(None, EchoConfig(bits=16)), rank)
@@ -166,9 +173,48 @@ def _worker(rank, world_size):
     return out
 
 
+LEAN_FAMILY = "llama3"
+
+
+def save_checkpoint(name: str, path) -> None:
+    """Several safetensors files with an index, as large checkpoints come."""
+    build(name).save_pretrained(path, max_shard_size="100KB")
+
+
 @pytest.fixture(scope="module")
-def gloo2():
-    return run_ranks(2, _worker)
+def gloo2(tmp_path_factory):
+    ckpt = tmp_path_factory.mktemp("ckpt")
+    save_checkpoint(LEAN_FAMILY, ckpt)
+    return run_ranks(2, _worker, str(ckpt))
+
+
+def test_lean_loading_on_gloo_ranks(gloo2):
+    ref = build(LEAN_FAMILY)
+    with torch.no_grad():
+        want = ref(tokens()).logits
+    whole = sum(p.numel() for p in ref.parameters())
+    for r in range(2):
+        got = gloo2[r]["lean"]
+        torch.testing.assert_close(got["logits"], want, atol=LOGIT_ATOL, rtol=0)
+        assert got["numel"] < whole
+
+
+@pytest.mark.parametrize("name", ["llama3", "gemma3", "phi3"])
+def test_lean_loading_simulated(name, tmp_path):
+    save_checkpoint(name, tmp_path)
+    ref = build(name)
+    with torch.no_grad():
+        want = ref(tokens()).logits
+        for P in (2, 4):
+            model = load_hf_tp(tmp_path, SimulatedCommunicator(P, EchoConfig(bits=16)),
+                               dtype=torch.float32)
+            torch.testing.assert_close(model(tokens()).logits, want, atol=LOGIT_ATOL, rtol=0)
+
+
+def test_lean_loading_refuses_checkpoints_in_another_layout(tmp_path):
+    save_checkpoint("qwen3_moe", tmp_path)  # saved per expert; the model holds fused experts
+    with pytest.raises(ValueError, match="has no tensor 'model.layers.0.mlp.experts.gate_up"):
+        load_hf_tp(tmp_path, SimulatedCommunicator(2, EchoConfig(bits=16)))
 
 
 def test_gloo_matches_unsharded_at_16_bits(gloo2):

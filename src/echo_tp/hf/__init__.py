@@ -2,11 +2,14 @@
 
     plan.py         base_model_tp_plan (transformers style names) -> echo_tp.tp plan table
     parallelize.py  parallelize_hf(model, comm[, rank]): shard in place, Echo at every site
+    load.py         load_hf_tp(dir, comm[, rank]): meta build, each rank reads only its slices
 
-transformers is imported by the caller (the model object), never by this package.
+transformers is imported lazily: by the caller (parallelize_hf gets a model object), or by
+load_hf_tp when it builds one; `import echo_tp.hf` alone does not import it.
 """
+from .load import load_hf_tp
 from .parallelize import ShardCache, parallelize_hf, split_cache
 from .plan import SUPPORTED, base_plan, head_layout, hf_plan
 
-__all__ = ["parallelize_hf", "hf_plan", "base_plan", "head_layout", "SUPPORTED", "split_cache",
+__all__ = ["parallelize_hf", "load_hf_tp", "hf_plan", "base_plan", "head_layout", "SUPPORTED", "split_cache",
            "ShardCache"]
