@@ -11,5 +11,5 @@ from .load import load_hf_tp
 from .parallelize import ShardCache, parallelize_hf, split_cache
 from .plan import SUPPORTED, base_plan, head_layout, hf_plan
 
-__all__ = ["parallelize_hf", "load_hf_tp", "hf_plan", "base_plan", "head_layout", "SUPPORTED", "split_cache",
-           "ShardCache"]
+__all__ = ["parallelize_hf", "load_hf_tp", "hf_plan", "base_plan", "head_layout", "SUPPORTED",
+           "split_cache", "ShardCache"]

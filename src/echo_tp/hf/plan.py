@@ -2,8 +2,8 @@
 
 A transformers config names, per parameter or module path below the base model, a style string:
 
-    "layers.*.self_attn.q_proj": "colwise"         "layers.*.mlp.experts.gate_up_proj": "packed_colwise"
-    "layers.*.self_attn.o_proj": "rowwise"         "layers.*.mlp.experts.down_proj": "rowwise"
+    "layers.*.self_attn.q_proj": "colwise"     "layers.*.mlp.experts.gate_up_proj": "packed_colwise"
+    "layers.*.self_attn.o_proj": "rowwise"     "layers.*.mlp.experts.down_proj": "rowwise"
     "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce"
     "layers.*.self_attn.qkv_proj": "colwise_gather_output"   (Phi-3: packed q|k|v)
 

@@ -1,4 +1,5 @@
-"""torch-native TP with Echo: ParallelStyles for torch.distributed.tensor.parallel.parallelize_module.
+"""torch-native TP with Echo: ParallelStyles for torch.distributed.tensor.parallel's
+parallelize_module.
 
     comm = EchoCommunicator.from_group(mesh.get_group(), EchoConfig(bits=4))   # one per model
     parallelize_module(model, mesh, {
