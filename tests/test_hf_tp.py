@@ -6,8 +6,8 @@ window layers), Phi-3 (packed qkv_proj / gate_up_proj), Qwen3-MoE (fused experts
 layer), Mixtral (fused experts)):
 - simulated TP=2 and 4 (and 8 > kv heads for Llama) at 16 bits vs the unsharded transformers
   model: logits, loss (labels=, so the loss is computed inside the CausalLM's forward) and every
-  parameter gradient (each virtual rank's slice, after tp.sync_partial_grads), and the weights
-  tp.full_state_dict gathers back (bit for bit). Tolerance: logits
+  parameter gradient (each virtual rank's slice, after tp.sync_partial_grads), the global grad
+  norm (tp.grad_norm, rtol 1e-5) and the weights tp.full_state_dict gathers back (bit for bit). Tolerance: logits
   atol 1e-5 (values O(1)), grads atol 2e-6 + rtol 1e-4: TP sums the same fp32 products in
   another grouping; a wrong slice, head or missing all-reduce is off by O(1).
 - 2 gloo ranks: 16 bits vs unsharded (same tolerances), and at Echo 4 bits (early8 policy for
@@ -32,7 +32,7 @@ import torch
 
 from echo_tp import EchoConfig, SimulatedCommunicator
 from echo_tp.hf import load_hf_tp, parallelize_hf
-from echo_tp.tp import full_state_dict, rank_parameters, sync_partial_grads
+from echo_tp.tp import full_state_dict, grad_norm, rank_parameters, sync_partial_grads
 from harness import run_ranks
 
 T = pytest.importorskip("transformers")
@@ -149,6 +149,10 @@ def test_simulated_matches_unsharded_at_16_bits(name):
         for r in range(P):
             check_against_reference(name, logits, loss, rank_grads(model, r),
                                     shard_table(model), r)
+        ref = build(name)
+        step(ref)
+        ref_norm = torch.stack([p.grad.square().sum() for p in ref.parameters()]).sum().sqrt()
+        torch.testing.assert_close(grad_norm(model), ref_norm, atol=0, rtol=1e-5)
         whole = dict(build(name).named_parameters(remove_duplicate=False))
         gathered = full_state_dict(model)  # the shards put back where they came from
         assert set(gathered) == set(whole), name

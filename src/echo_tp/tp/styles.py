@@ -39,7 +39,8 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from .sites import BackwardPassStart, CopyToTP, ReduceFromTP, Site, TPContext
+from .parallelize import _backward_pass_hook, _forward_pass_hook
+from .sites import CopyToTP, ReduceFromTP, Site, TPContext
 
 
 def _site(comm, bits: int | None) -> Site:
@@ -130,18 +131,15 @@ class EchoBlockInput(ParallelStyle):
 
 
 class EchoPasses(ParallelStyle):
-    """Pass boundaries on the root module: forward pass per call, backward pass per backward."""
+    """Pass boundaries on the root module: forward pass per call, backward pass per backward
+    (the root returns the hidden states or logits: a tensor, or an output with
+    last_hidden_state)."""
 
     def __init__(self, comm):
         self.comm = comm
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         tp = _site(self.comm, None).tp
-        module.register_forward_pre_hook(lambda mod, args: self.comm.new_pass("forward"))
-
-        def hook(mod, args, out):
-            if isinstance(out, torch.Tensor) and torch.is_grad_enabled() and out.requires_grad:
-                return BackwardPassStart.apply(out, tp)
-            return None
-        module.register_forward_hook(hook)
+        module.register_forward_pre_hook(_forward_pass_hook(tp))
+        module.register_forward_hook(_backward_pass_hook(tp))
         return module
