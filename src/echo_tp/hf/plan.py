@@ -129,7 +129,7 @@ def hf_plan(model: nn.Module, plan: dict[str, str] | None = None) -> dict[str, o
     table: dict[str, object] = {}
     split: dict[str, list] = {}  # experts module pattern -> [(param, dim, unit)]
     blocks: dict[str, int] = {}
-    gathered: set[str] = set()  # blocks whose packed colwise output transformers gathers
+    gathered = {_block_of(k)[0] for k, v in full.items() if v in GATHER_COLWISE}
     for key, style in full.items():
         if style == "replicate":
             continue
@@ -162,7 +162,7 @@ def hf_plan(model: nn.Module, plan: dict[str, str] | None = None) -> dict[str, o
                              " is not an nn.Linear; echo-tp splits linear layers and fused "
                              "expert parameters")
         if style == "colwise":
-            table[key] = Colwise(unit=HEAD_UNITS.get(leaf, "row") if slot == 0 else "row")
+            table[key] = Colwise(unit=_unit(key, slot))
         elif style == "packed_colwise":
             table[key] = Colwise(unit=PACKED_2)
         elif style in GATHER_COLWISE:
@@ -173,14 +173,11 @@ def hf_plan(model: nn.Module, plan: dict[str, str] | None = None) -> dict[str, o
             else:
                 raise ValueError(f"TP style {style!r} at {key!r}: echo-tp splits a gathered "
                                  "column-parallel output only for packed qkv_proj / gate_up_proj")
-            gathered.add(block)
         elif style == "rowwise" or style in SPLIT_ROWWISE:
-            if style in SPLIT_ROWWISE and block not in {_block_of(k)[0] for k, v in full.items()
-                                                       if v in GATHER_COLWISE}:
+            if style in SPLIT_ROWWISE and block not in gathered:
                 raise ValueError(f"TP style {style!r} at {key!r} needs a packed "
                                  "colwise_gather_output layer in the same block")
-            table[key] = Rowwise(unit=HEAD_UNITS.get(leaf, "row") if slot == 0 else "row",
-                                 slot=slot)
+            table[key] = Rowwise(unit=_unit(key, slot), slot=slot)
             blocks[block] = slot
     for owner, entries in split.items():
         if entries:
@@ -189,6 +186,17 @@ def hf_plan(model: nn.Module, plan: dict[str, str] | None = None) -> dict[str, o
         table[block] = BlockInput(slot=slot, local_heads=slot == 0)
     _partial_replicas(table, modules, blocks)
     return table
+
+
+def _unit(key: str, slot: int):
+    """How an attention projection splits (by heads; its name says which) or an MLP's (rows)."""
+    if slot != 0:
+        return "row"
+    leaf = key.rsplit(".", 1)[-1]
+    if leaf not in HEAD_UNITS:
+        raise ValueError(f"TP plan key {key!r}: echo-tp cannot tell how attention projection "
+                         f"{leaf!r} splits into heads (known: {sorted(HEAD_UNITS)})")
+    return HEAD_UNITS[leaf]
 
 
 def _partial_replicas(table: dict, modules: dict, blocks: dict) -> None:
