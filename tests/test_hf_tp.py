@@ -16,7 +16,9 @@ layer), Mixtral (fused experts)):
   layers, planted outlier channels): measured ratio 0.10-0.21 over seeds 0-5 on Llama and Qwen3.
 - memory-lean loading (echo_tp.hf.load_hf_tp: meta build, each rank reads its safetensors
   slices) from a sharded save_pretrained directory == the unsharded model's logits, simulated
-  (P=2, 4) and on the gloo ranks, whose parameters then hold less than the whole model.
+  (P=2, 4) and on the gloo ranks, whose parameters then hold less than the whole model; a
+  recording safe_open shows no split weight is ever read whole (the measured peak memory:
+  benchmarks/hf_load_memory.py, docs/results/2026-12-01-hf-load-memory.md).
 - greedy generation (KV cache, per-shard caches when simulated) == transformers' generate on
   the unsharded model; per-site bit policies reach the communicator; models without a plan and
   unsupported styles raise a ValueError that names them.
@@ -26,6 +28,7 @@ SimTPBlock (a shard must run the very ops of its real rank) or _set_local_heads;
 mismatch -> hf/parallelize.py split_cache; a loading mismatch -> hf/load.py (_runs / _read).
 """
 import copy
+import json
 
 import pytest
 import torch
@@ -218,6 +221,62 @@ def test_lean_loading_simulated(name, tmp_path):
             model = load_hf_tp(tmp_path, SimulatedCommunicator(P, EchoConfig(bits=16)),
                                dtype=torch.float32)
             torch.testing.assert_close(model(tokens()).logits, want, atol=LOGIT_ATOL, rtol=0)
+
+
+class RecordingOpen:
+    """safe_open stand-in that records what is read: get_tensor keys, (key, shape) of slices."""
+
+    def __init__(self, real, log):
+        self.real, self.log = real, log
+
+    def __call__(self, *args, **kwargs):
+        handle = self.real(*args, **kwargs)
+        log = self.log
+
+        class Handle:
+            def __enter__(self):
+                handle.__enter__()
+                return self
+
+            def __exit__(self, *exc):
+                return handle.__exit__(*exc)
+
+            def keys(self):
+                return handle.keys()
+
+            def get_tensor(self, key):
+                log["whole"].append(key)
+                return handle.get_tensor(key)
+
+            def get_slice(self, key):
+                sl = handle.get_slice(key)
+
+                class Slice:
+                    def __getitem__(self, index):
+                        out = sl[index]
+                        log["slices"].append((key, tuple(out.shape)))
+                        return out
+                return Slice()
+        return Handle()
+
+
+def test_lean_loading_never_reads_a_whole_split_weight(tmp_path, monkeypatch):
+    """Every split weight is read as slices narrower than the tensor along its split dim; only
+    replicated ones (embedding, norms) are read whole (get_tensor)."""
+    import echo_tp.hf.load as load
+    save_checkpoint(LEAN_FAMILY, tmp_path)
+    log = {"whole": [], "slices": []}
+    monkeypatch.setattr(load, "safe_open", RecordingOpen(load.safe_open, log))
+    model = load_hf_tp(tmp_path, SimulatedCommunicator(2, EchoConfig(bits=16)),
+                       dtype=torch.float32)
+    shards = model.echo_tp.shards  # key -> (dim, per-rank indices, full size)
+    assert shards and not set(log["whole"]) & set(shards)
+    stored = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(log["whole"]) | set(shards) == set(stored)  # tied lm_head: not stored
+    assert {k for k, _ in log["slices"]} == set(shards)
+    for key, shape in log["slices"]:
+        dim, _, full = shards[key]
+        assert shape[dim] < full, (key, shape, full)
 
 
 def test_lean_loading_refuses_checkpoints_in_another_layout(tmp_path):

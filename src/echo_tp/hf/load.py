@@ -12,7 +12,9 @@ stay tied. Non-persistent buffers (RoPE inv_freq, Gemma's embed scale) are recom
 model's own `_init_weights`, which skips every loaded parameter (`_is_hf_initialized`).
 
 Peak memory per real rank: its shards plus the replicated embedding, norms and lm_head, instead
-of the whole model that from_pretrained would materialize before sharding. Checkpoints whose keys
+of the whole model that from_pretrained would materialize before sharding (measured with
+benchmarks/hf_load_memory.py: 0.40x from_pretrained's peak per rank of P=4; reads go through
+safetensors' pread backend, see _open). Checkpoints whose keys
 are the model's parameter names load (what transformers' save_pretrained writes for the dense
 families); a key the model needs but the files lack is a ValueError (for checkpoints stored in an
 older layout, e.g. per-expert MoE weights, load with from_pretrained and call parallelize_hf).
@@ -48,8 +50,7 @@ def load_hf_tp(path: str | Path, comm, rank: int | None = None, *,
     real = _real_names(model)
     loaded: dict[int, nn.Parameter] = {}  # id(meta parameter) -> loaded (ties stay ties)
     with contextlib.ExitStack() as stack:
-        handles = {f: stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
-                   for f in sorted(set(files.values()))}
+        handles = {f: stack.enter_context(_open(f)) for f in sorted(set(files.values()))}
         for name, param in list(model.named_parameters(remove_duplicate=False)):
             new = loaded.get(id(param))
             if new is None:
@@ -71,6 +72,21 @@ def load_hf_tp(path: str | Path, comm, rank: int | None = None, *,
             setattr(model.get_submodule(owner), leaf, new)
     _init_buffers(model, device)
     return model.eval()
+
+
+def _open(f: Path):
+    """A safetensors handle that reads with pread(2) where safetensors has it (>= 0.8).
+
+    Why not the default mmap: a column slice (o_proj / down_proj keep a range of input
+    features: every row's [a, b)) touches every page of the whole tensor through the mapping,
+    and the kernel maps neighbouring pages too, so each rank's resident memory held most of
+    every row-parallel weight (docs/results/2026-12-01-hf-load-memory.md, a 168 MiB checkpoint
+    at P=4: 138-143 MiB peak per rank with mmap, 68 MiB with pread, for 60 MiB of parameters;
+    from_pretrained 169 MiB). pread copies only the requested bytes into the rank's tensor."""
+    try:
+        return safe_open(str(f), framework="pt", device="cpu", backend="pread")
+    except TypeError:  # safetensors < 0.8: no backend argument
+        return safe_open(str(f), framework="pt", device="cpu")
 
 
 def _key_files(path: Path) -> dict[str, Path]:
