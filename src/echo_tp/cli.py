@@ -63,7 +63,13 @@ def _eval(sub):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default=None, help="simulated runs: cpu/cuda (default cuda if any)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer directory for text data")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory for text data "
+                   "(default: the model directory's tokenizer.json, else GPT-2)")
+    p.add_argument("--model-impl", default="auto", choices=["auto", "echo", "transformers"],
+                   help="HF directories: the project's Transformer ('echo', Llama/Qwen3 with "
+                   "plain RoPE) or transformers' own model through echo_tp.hf.load_hf_tp "
+                   "('transformers': any family with a base_model_tp_plan); auto: echo where it "
+                   "reproduces the config, else transformers")
     p.add_argument("--out", default=None, help="JSON results file")
     p.add_argument("--no-progress", action="store_true")
     _tp_mode(p)
@@ -73,7 +79,8 @@ def _eval(sub):
         main(model=a.model, data=a.data, comms=a.comms, context=a.context, stride=a.stride,
              batch_size=a.batch_size, max_windows=a.max_windows, simulate=a.simulate,
              world_size=a.world_size, seed=a.seed, dtype=a.dtype, device=a.device,
-             tokenizer=a.tokenizer, out=a.out, progress=not a.no_progress)
+             tokenizer=a.tokenizer, out=a.out, progress=not a.no_progress,
+             impl=a.model_impl)
     p.set_defaults(func=run)
 
 
