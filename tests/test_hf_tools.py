@@ -12,7 +12,10 @@ project's own Transformer reproduces, so `--model-impl auto` picks transformers)
   weights are the original tensors put back, and the load is unsharded).
 - transformers' generate on a parallelize_hf'd model (simulated P=2, 16 bits) for a batch of two
   prompts of different lengths (left padding + attention_mask), EOS stop, sampling (temperature,
-  top_k, top_p, fixed seed) == generate on the unsharded model, token for token.
+  top_k, top_p, fixed seed) == generate on the unsharded model, token for token (the logits
+  differ by fp32 regrouping only, ~1e-7 relative: a flip would need a sampled draw or a top-k /
+  top-p cut within that of a boundary; if one ever appears at a new seed, check the logits
+  first: a real shard error moves them by O(1)).
 Where to look first: eval -> eval/perplexity.py model_impl / _rank_eval (the transformers
 branch); save -> hf/save.py; generate -> hf/parallelize.py split_cache (per-shard caches) and
 the masks transformers builds (padding reaches every shard through the same kwargs).

@@ -18,7 +18,8 @@ layer), Mixtral (fused experts)):
   slices) from a sharded save_pretrained directory == the unsharded model's logits, simulated
   (P=2, 4) and on the gloo ranks, whose parameters then hold less than the whole model; a
   recording safe_open shows no split weight is ever read whole (the measured peak memory:
-  benchmarks/hf_load_memory.py, docs/results/2026-12-01-hf-load-memory.md).
+  benchmarks/hf_load_memory.py, docs/results/2026-12-01-hf-load-memory.md); save_hf on the
+  gloo ranks writes a checkpoint from_pretrained loads with bit-identical logits.
 - greedy generation (KV cache, per-shard caches when simulated) == transformers' generate on
   the unsharded model; per-site bit policies reach the communicator; models without a plan and
   unsupported styles raise a ValueError that names them.
@@ -34,7 +35,7 @@ import pytest
 import torch
 
 from echo_tp import EchoConfig, SimulatedCommunicator
-from echo_tp.hf import load_hf_tp, parallelize_hf
+from echo_tp.hf import load_hf_tp, parallelize_hf, save_hf
 from echo_tp.tp import full_state_dict, grad_norm, rank_parameters, sync_partial_grads
 from harness import run_ranks
 
@@ -169,6 +170,8 @@ def _worker(rank, world_size, ckpt):
     with torch.no_grad():
         out = {"lean": dict(logits=lean(tokens()).logits,
                             numel=sum(p.numel() for p in lean.parameters()))}
+    save_hf(lean, f"{ckpt}-saved")  # every rank gathers, rank 0 writes
+    out["saved"] = f"{ckpt}-saved"
     for name in FAMILIES:
         model = build(name)
         parallelize_hf(model, EchoCommunicator.from_group(None, EchoConfig(bits=16)), rank)
@@ -209,6 +212,9 @@ def test_lean_loading_on_gloo_ranks(gloo2):
         got = gloo2[r]["lean"]
         torch.testing.assert_close(got["logits"], want, atol=LOGIT_ATOL, rtol=0)
         assert got["numel"] < whole
+    back = T.AutoModelForCausalLM.from_pretrained(gloo2[0]["saved"], dtype=torch.float32)
+    with torch.no_grad():  # save_hf from real ranks: the unsharded weights, bit for bit
+        assert torch.equal(back.eval()(tokens()).logits, want)
 
 
 @pytest.mark.parametrize("name", ["llama3", "gemma3", "phi3"])
