@@ -184,7 +184,8 @@ def main() -> None:
     print(f"{'load':<22} {'peak growth MiB':>15} {'load only':>9} {'anon MiB':>9} "
           f"{'file MiB':>9} {'params MiB':>10} {'ratio':>6} {'s':>6}")
     for r in [full] + ranks:
-        name = "from_pretrained" if r["kind"] == "full" else f"load_hf_tp rank {r['rank']}/{a.world}"
+        name = ("from_pretrained" if r["kind"] == "full"
+                else f"load_hf_tp rank {r['rank']}/{a.world}")
         print(f"{name:<22} {r['peak_growth'] / mib:>15.1f} {r['load_growth'] / mib:>9.1f} "
               f"{r['anon_growth'] / mib:>9.1f} "
               f"{r['file_growth'] / mib:>9.1f} {r['param_bytes'] / mib:>10.1f} "

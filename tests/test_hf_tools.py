@@ -1,4 +1,5 @@
-"""transformers models through the project's tools and back (issue 16): eval, save, generate.
+"""transformers models through the project's tools and back (issue 16): eval, train, save,
+generate.
 
 What is compared with what (CPU, fp32, a tiny random Qwen2 (qkv bias: not a config the
 project's own Transformer reproduces, so `--model-impl auto` picks transformers) or Llama 3):
@@ -10,6 +11,9 @@ project's own Transformer reproduces, so `--model-impl auto` picks transformers)
 - echo_tp.hf.save_hf after parallelize_hf (simulated P=2): AutoModelForCausalLM.from_pretrained
   of the saved directory has logits bit-identical to the original unsharded model (the gathered
   weights are the original tensors put back, and the load is unsharded).
+- `echo-tp train --model DIR` from a config.json-only dir (seeded from_config init), simulated
+  P=2, 16 bits: step 1's loss and grad norm == the unsharded model's on the same batch; the
+  checkpoint it saves (save_hf) loads with from_pretrained.
 - transformers' generate on a parallelize_hf'd model (simulated P=2, 16 bits) for a batch of two
   prompts of different lengths (left padding + attention_mask), EOS stop, sampling (temperature,
   top_k, top_p, fixed seed) == generate on the unsharded model, token for token (the logits
@@ -17,9 +21,11 @@ project's own Transformer reproduces, so `--model-impl auto` picks transformers)
   top-p cut within that of a boundary; if one ever appears at a new seed, check the logits
   first: a real shard error moves them by O(1)).
 Where to look first: eval -> eval/perplexity.py model_impl / _rank_eval (the transformers
-branch); save -> hf/save.py; generate -> hf/parallelize.py split_cache (per-shard caches) and
-the masks transformers builds (padding reaches every shard through the same kwargs).
+branch); train -> train/loop.py _build_hf / _loss; save -> hf/save.py; generate ->
+hf/parallelize.py split_cache (per-shard caches) and the masks transformers builds (padding
+reaches every shard through the same kwargs).
 """
+import json
 import math
 import shutil
 
@@ -74,7 +80,6 @@ def test_eval_cli_on_a_transformers_dir_matches_unsharded_transformers(qwen2_dir
             "--no-progress"]
     out = tmp_path / "sim.json"
     assert cli.main(base + ["--comms", "16", "echo4", "--simulate", "2", "--out", str(out)]) == 0
-    import json
     record = json.loads(out.read_text())
     assert record["impl"] == "transformers"  # auto: the project's model has no qwen2
     rows = record["results"]
@@ -128,3 +133,38 @@ def test_sampled_generate_with_left_padding_matches_unsharded():
     parallelize_hf(model, SimulatedCommunicator(2, EchoConfig(bits=16)))
     got = sample(model, prompts, pad=0, eos=eos)
     assert torch.equal(got, want), (got, want)
+
+
+def test_train_cli_on_a_transformers_config_dir(tmp_path):
+    """2 simulated ranks, 16 bits, 2 steps from a config.json-only dir (seeded from_config
+    init): step 1's loss and global grad norm == the unsharded model's on the same batch (rtol
+    1e-5 / 1e-4: fp32 regrouping), and the saved checkpoint is a plain transformers one."""
+    import csv
+
+    import numpy as np
+    import torch.nn.functional as F
+
+    from echo_tp.models.tokenize import write_tokens
+    from echo_tp.train import TokenBatches
+    config = T.Qwen2Config(**{**SMALL, "vocab_size": 256})
+    (tmp_path / "cfg").mkdir()
+    config.save_pretrained(tmp_path / "cfg")
+    tokens = np.random.default_rng(0).integers(0, 256, 2000)
+    write_tokens(tokens, tmp_path / "train.bin", vocab_size=256, meta={})
+    out = tmp_path / "run"
+    assert cli.main(["train", "--model", str(tmp_path / "cfg"), "--train-data",
+                     str(tmp_path / "train.bin"), "--comm", "16", "--steps", "2", "--seq-len",
+                     "32", "--batch-size", "2", "--warmup", "1", "--seed", "3", "--simulate",
+                     "2", "--out-dir", str(out), "--no-progress"]) == 0
+    with open(out / "log.csv", newline="") as f:
+        first = next(csv.DictReader(f))
+    torch.manual_seed(3)
+    ref = T.AutoModelForCausalLM.from_config(config, dtype=torch.float32).train()
+    x, y = next(TokenBatches(torch.from_numpy(tokens), seq_len=32, batch_size=2, seed=3))
+    loss = F.cross_entropy(ref(x).logits.flatten(0, 1), y.flatten())  # x, y [2, 32]
+    loss.backward()
+    norm = torch.stack([p.grad.square().sum() for p in ref.parameters()]).sum().sqrt()
+    assert float(first["loss"]) == pytest.approx(float(loss.detach()), rel=1e-5)
+    assert float(first["grad_norm"]) == pytest.approx(float(norm), rel=1e-4)
+    back = T.AutoModelForCausalLM.from_pretrained(out / "checkpoints" / "step-2")
+    assert type(back).__name__ == "Qwen2ForCausalLM"

@@ -7,8 +7,8 @@ layer), Mixtral (fused experts)):
 - simulated TP=2 and 4 (and 8 > kv heads for Llama) at 16 bits vs the unsharded transformers
   model: logits, loss (labels=, so the loss is computed inside the CausalLM's forward) and every
   parameter gradient (each virtual rank's slice, after tp.sync_partial_grads), the global grad
-  norm (tp.grad_norm, rtol 1e-5) and the weights tp.full_state_dict gathers back (bit for bit). Tolerance: logits
-  atol 1e-5 (values O(1)), grads atol 2e-6 + rtol 1e-4: TP sums the same fp32 products in
+  norm (tp.grad_norm, rtol 1e-5) and the weights tp.full_state_dict gathers back (bit for
+  bit). Tolerance: logits atol 1e-5 (values O(1)), grads atol 2e-6 + rtol 1e-4: TP sums the same fp32 products in
   another grouping; a wrong slice, head or missing all-reduce is off by O(1).
 - 2 gloo ranks: 16 bits vs unsharded (same tolerances), and at Echo 4 bits (early8 policy for
   one family) bit for bit against the simulated run: logits, gradients, greedy tokens.

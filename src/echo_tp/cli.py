@@ -86,7 +86,9 @@ def _eval(sub):
 
 def _train(sub):
     p = sub.add_parser("train", help="TP pretraining from scratch with one comm config")
-    p.add_argument("--model", default="qwen3-150m", help="model preset")
+    p.add_argument("--model", default="qwen3-150m", help="model preset, or an HF directory of a "
+                   "transformers causal LM: config.json (random init from --seed) or config.json"
+                   " + *.safetensors (fine-tuning; each rank reads only its slices)")
     p.add_argument("--train-data", required=True, help="token file (.bin + .json sidecar)")
     p.add_argument("--val-data", default=None, help="held-out token file")
     p.add_argument("--comm", default="16", help="comm spec, e.g. 16, echo4, 'echo4:eta=0.9'")

@@ -13,5 +13,5 @@ from .parallelize import ShardCache, parallelize_hf, split_cache
 from .plan import SUPPORTED, base_plan, head_layout, hf_plan
 from .save import save_hf
 
-__all__ = ["parallelize_hf", "load_hf_tp", "save_hf", "hf_plan", "base_plan", "head_layout", "SUPPORTED",
-           "split_cache", "ShardCache"]
+__all__ = ["parallelize_hf", "load_hf_tp", "save_hf", "hf_plan", "base_plan", "head_layout",
+           "SUPPORTED", "split_cache", "ShardCache"]
