@@ -65,7 +65,13 @@ def _eval(sub):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default=None, help="simulated runs: cpu/cuda (default cuda if any)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer directory for text data")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory for text data "
+                   "(default: the model directory's tokenizer.json, else GPT-2)")
+    p.add_argument("--model-impl", default="auto", choices=["auto", "echo", "transformers"],
+                   help="HF directories: the project's Transformer ('echo', Llama/Qwen3 with "
+                   "plain RoPE) or transformers' own model through echo_tp.hf.load_hf_tp "
+                   "('transformers': any family with a base_model_tp_plan); auto: echo where it "
+                   "reproduces the config, else transformers")
     p.add_argument("--out", default=None, help="JSON results file")
     p.add_argument("--no-progress", action="store_true")
     _tp_mode(p)
@@ -75,13 +81,16 @@ def _eval(sub):
         main(model=a.model, data=a.data, comms=a.comms, context=a.context, stride=a.stride,
              batch_size=a.batch_size, max_windows=a.max_windows, simulate=a.simulate,
              world_size=a.world_size, seed=a.seed, dtype=a.dtype, device=a.device,
-             tokenizer=a.tokenizer, out=a.out, progress=not a.no_progress)
+             tokenizer=a.tokenizer, out=a.out, progress=not a.no_progress,
+             impl=a.model_impl)
     p.set_defaults(func=run)
 
 
 def _train(sub):
     p = sub.add_parser("train", help="TP pretraining from scratch with one comm config")
-    p.add_argument("--model", default="qwen3-150m", help="model preset")
+    p.add_argument("--model", default="qwen3-150m", help="model preset, or an HF directory of a "
+                   "transformers causal LM: config.json (random init from --seed) or config.json"
+                   " + *.safetensors (fine-tuning; each rank reads only its slices)")
     p.add_argument("--train-data", required=True, help="token file (.bin + .json sidecar)")
     p.add_argument("--val-data", default=None, help="held-out token file")
     p.add_argument("--comm", default="16", help="comm spec, e.g. 16, echo4, 'echo4:eta=0.9'")

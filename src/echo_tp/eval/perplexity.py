@@ -8,6 +8,16 @@ The model is loaded once (an HF checkpoint directory, or a preset with a seeded 
 parallelized once, and pointed at each comm config in turn (tp.set_comm), so every config sees
 the same weights and the same windows.
 
+Which implementation runs an HF directory (`impl`): "echo" is the project's own Transformer
+(echo_tp.models: Llama / Qwen3 with plain RoPE, tp.parallelize); "transformers" is
+transformers' own model class for the config (any family echo_tp.hf supports: Qwen2, Gemma 2/3,
+Mistral, Phi-3, Llama 3.1+ rope scaling, ...), loaded by echo_tp.hf.load_hf_tp (each rank reads
+only its slices; the same TP engine, Echo at the same 2L sites). "auto" (default) keeps the
+project's model for every config it reproduces (ModelConfig.from_hf_config accepts it) and
+uses transformers for the rest. Text data is tokenized by the directory's tokenizer.json (the
+tokenizers library, post-processor included: a BOS the tokenizer adds stays) unless
+`tokenizer` names another.
+
 Windows (`sliding_windows`): fixed context T, stride S (default S = T: non-overlapping). Window k
 reads tokens [kS, kS + T) and predicts [kS + 1, kS + T]. The first window scores all T targets,
 every later one only its last S targets (the ones no earlier window scored), so with S < T each
@@ -51,7 +61,33 @@ class EvalOptions:
     dtype: str = "float32"
     device: str | None = None
     tokenizer: str | None = None
+    impl: str = "auto"
+    """HF directories: 'auto', 'echo' (the project's Transformer) or 'transformers'."""
     progress: bool = True
+
+
+IMPLS = ("auto", "echo", "transformers")
+
+
+def model_impl(spec: str, impl: str = "auto") -> str:
+    """'echo' or 'transformers': which implementation evaluates `spec` (see the module doc)."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if not Path(spec).is_dir():
+        if impl == "transformers":
+            raise ValueError(f"--model-impl transformers needs an HF checkpoint directory; "
+                             f"{spec!r} is not a directory")
+        return "echo"
+    config = Path(spec) / "config.json"
+    if not config.is_file():
+        raise ValueError(f"{spec} has no config.json; expected an HF checkpoint directory")
+    if impl != "auto":
+        return impl
+    try:
+        ModelConfig.from_hf_config(json.loads(config.read_text()))
+    except (ValueError, KeyError):
+        return "transformers"
+    return "echo"
 
 
 def sliding_windows(n_tokens: int, context: int, stride: int | None = None,
@@ -105,6 +141,7 @@ def window_nll(model, tokens: torch.Tensor, windows, *, context: int, batch_size
         x = torch.stack([tokens[s:s + T] for s, _ in batch]).to(device)          # [B, T]
         y = torch.stack([tokens[s + 1:s + T + 1] for s, _ in batch]).to(device)  # [B, T]
         logits = model(x)                                                        # [B, T, V]
+        logits = getattr(logits, "logits", logits)  # a transformers ModelOutput
         nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
         nll = nll.view(len(batch), T)
         for b, (_, first) in enumerate(batch):
@@ -120,11 +157,23 @@ def _rank_eval(rank: int | None, world_size: int, opts: EvalOptions) -> list[dic
     if opts.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {opts.dtype!r}")
     specs = parse_comm_specs(list(opts.comms))
-    model, cfg = load_model(opts.model, seed=opts.seed, dtype=DTYPES[opts.dtype], device=device)
+    hf = model_impl(opts.model, opts.impl) == "transformers"
+    if hf:
+        from echo_tp.hf import load_hf_tp
+        from echo_tp.hf.plan import text_config
+        first = make_comm(rank, world_size, specs[0].config)
+        model = load_hf_tp(opts.model, first, rank, dtype=DTYPES[opts.dtype], device=device,
+                           policy=specs[0].policy)
+        vocab_size = text_config(model).vocab_size
+        forward = lambda x: model(x, use_cache=False).logits  # noqa: E731 - [B, T, V]
+    else:
+        model, cfg = load_model(opts.model, seed=opts.seed, dtype=DTYPES[opts.dtype],
+                                device=device)
+        vocab_size, forward = cfg.vocab_size, model
     tokens = load_eval_tokens(opts.data, model_spec=opts.model, tokenizer=opts.tokenizer)
-    if tokens.numel() and int(tokens.max()) >= cfg.vocab_size:
+    if tokens.numel() and int(tokens.max()) >= vocab_size:
         raise ValueError(f"token id {int(tokens.max())} >= the model's vocab_size "
-                         f"{cfg.vocab_size}: data and model use different tokenizers")
+                         f"{vocab_size}: data and model use different tokenizers")
     windows = sliding_windows(tokens.numel(), opts.context, opts.stride, opts.max_windows)
     main = rank in (None, 0)
     bar = None
@@ -133,15 +182,18 @@ def _rank_eval(rank: int | None, world_size: int, opts: EvalOptions) -> list[dic
         bar = tqdm(total=len(windows) * len(specs), desc="eval", unit="win")
     results = []
     for i, spec in enumerate(specs):
-        comm = make_comm(rank, world_size, spec.config)
-        if i == 0:
-            parallelize(model, comm, rank, policy=spec.policy)
+        if i == 0 and hf:
+            comm = first  # load_hf_tp parallelized with it
         else:
+            comm = make_comm(rank, world_size, spec.config)
+        if i == 0 and not hf:
+            parallelize(model, comm, rank, policy=spec.policy)
+        elif i > 0:
             set_comm(model, comm, policy=spec.policy)
         if bar is not None:
             bar.set_postfix_str(spec.label)
         t0 = time.perf_counter()
-        nll, n = window_nll(model, tokens, windows, batch_size=opts.batch_size, device=device,
+        nll, n = window_nll(forward, tokens, windows, batch_size=opts.batch_size, device=device,
                             bar=bar, context=opts.context)
         results.append({**spec.as_dict(), "ppl": math.exp(nll / n), "nll": nll / n,
                         "tokens": n, "windows": len(windows),
@@ -168,7 +220,7 @@ def main(*, model: str, data: str, comms: list[str], context: int = 1024,
          stride: int | None = None, batch_size: int = 4, max_windows: int | None = None,
          simulate: int | None = None, world_size: int | None = None, seed: int = 0,
          dtype: str = "float32", device: str | None = None, tokenizer: str | None = None,
-         out: str | None = None, progress: bool = True) -> list[dict]:
+         out: str | None = None, progress: bool = True, impl: str = "auto") -> list[dict]:
     """Perplexity of `model` on `data` under every comm config; prints a table (rank 0), writes
     JSON to `out` when given, returns the result rows (rank 0's; every rank computes the same)."""
     if batch_size < 1:
@@ -176,20 +228,22 @@ def main(*, model: str, data: str, comms: list[str], context: int = 1024,
     parse_comm_specs(list(comms))  # fail fast, before any process starts
     if out:
         check_writable(out, "--out")
+    which = model_impl(model, impl)
     opts = EvalOptions(model=model, data=data, comms=tuple(comms), context=context,
                        stride=stride, batch_size=batch_size, max_windows=max_windows, seed=seed,
-                       dtype=dtype, device=device, tokenizer=tokenizer, progress=progress)
+                       dtype=dtype, device=device, tokenizer=tokenizer, impl=which,
+                       progress=progress)
     run = launch(_rank_eval, opts, simulate=simulate, world_size=world_size)
     results = run.result
     if run.is_main:
         P = simulate or world_size or _world()
         mode = "simulated" if simulate else "real"
-        print(f"model {model} | data {data} | TP={P} ({mode}) | context {context}, stride "
-              f"{stride or context} | {results[0]['windows']} windows, "
+        print(f"model {model} ({which}) | data {data} | TP={P} ({mode}) | context {context}, "
+              f"stride {stride or context} | {results[0]['windows']} windows, "
               f"{results[0]['tokens']} scored tokens")
         print(format_table(results))
         if out:
-            record = {"model": model, "data": data, "world_size": P, "mode": mode,
+            record = {"model": model, "impl": which, "data": data, "world_size": P, "mode": mode,
                       "context": context, "stride": stride or context, "dtype": dtype,
                       "seed": seed, "results": results}
             Path(out).parent.mkdir(parents=True, exist_ok=True)

@@ -3,9 +3,13 @@
     plan.py         TP_PLAN: module path pattern -> Colwise / Rowwise / BlockInput / ...
     sites.py        autograd sites: forward all-reduce "g", backward all-reduce "f", pass marks
     parallelize.py  parallelize(model, comm[, rank]): real rank or P simulated virtual ranks
+    blocks.py       how a block's input, extra outputs and head attributes are found
     policy.py       per-site bit policies; comm spec strings ('echo4:eta=0.9,quantizer=naive')
     grads.py        partial-gradient sync, global grad norm / clipping, gathering whole weights
     runtime.py      how a tool runs: torchrun env, gloo spawn on CPU, or simulated in-process
+    styles.py       Echo ParallelStyles for torch's parallelize_module (import it explicitly:
+                    it loads torch.distributed.tensor)
+transformers' own models: echo_tp.hf.parallelize_hf (their plan table, this engine).
 """
 from .grads import clip_grad_norm_, full_state_dict, grad_norm, sync_partial_grads, unshard
 from .parallelize import RowwiseLinear, SimTPBlock, parallelize, rank_parameters, set_comm

@@ -16,6 +16,12 @@ through SimulatedCommunicator.all_reduce. Logits and gradients then match the P-
 for bit at bits 4 and 8 (at 16 bits the simulated sum is fp32 in rank order; gloo/NCCL may sum in
 another order). Shard i's parameters are named `<block>.shards.<i>.<name>`; tp.rank_parameters
 maps them back to the real names.
+
+Models built elsewhere (transformers' own modules, echo_tp.hf) go through the same function with
+their plan, a `HeadLayout`, their layer count and the module whose forward is one pass
+(`pass_root`). Block inputs may come positionally or as `hidden_states=`; a block may return a
+tuple (its output first: transformers attention returns (output, weights)). A block whose partial
+output comes from `SplitParams` modules (fused MoE experts) is all-reduced at its output, once.
 """
 from __future__ import annotations
 
@@ -28,8 +34,11 @@ from torch import nn
 
 from echo_tp.models.transformer import LayerKVCache, Transformer
 
-from .plan import (TP_PLAN, BlockInput, Colwise, PartialGradReplicate, Rowwise, match_plan,
-                   replica_groups, site_index, unit_rows)
+from .blocks import block_input as _block_input
+from .blocks import join_heads as _join_heads
+from .blocks import set_local_heads as _set_local_heads
+from .plan import (TP_PLAN, BlockInput, Colwise, PartialGradReplicate, Rowwise, SplitParams,
+                   match_plan, replica_groups, site_index, unit_rows)
 from .policy import make_policy
 from .sites import (BackwardPassStart, CopyToTP, ReduceFromTP, SimCopy, SimReduce, Site,
                     TPContext)
@@ -57,49 +66,74 @@ class RowwiseLinear(nn.Module):
         return f"in_features={self.in_features} (sharded), out_features={self.out_features}"
 
 
-_NO_CACHE_ARG = object()
-
-
 class SimTPBlock(nn.Module):
-    """P virtual shards of one block (attention or MLP): f site, shards one by one, g site."""
+    """P virtual shards of one block (attention or MLP): f site, shards one by one, g site.
 
-    def __init__(self, shards: list[nn.Module], site: Site, bias: nn.Parameter | None):
+    split_cache(cache, n_shards, shard) -> n_shards caches, one per shard: each shard keeps its
+    own kv heads (default: the project's LayerKVCache)."""
+
+    def __init__(self, shards: list[nn.Module], site: Site, bias: nn.Parameter | None,
+                 split_cache=None):
         super().__init__()
         self.shards = nn.ModuleList(shards)
         self.site = site
         self.bias = bias  # the row-parallel layer's bias, added once after the sum
+        self.split_cache = _split_layer_cache if split_cache is None else split_cache
         self._caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def forward(self, x: torch.Tensor, *args, cache=_NO_CACHE_ARG, **kwargs):
-        """x [B, T, dim] (same on every virtual rank) -> the block output [B, T, dim]."""
+    def forward(self, *args, **kwargs):
+        """x [B, T, dim] (same on every virtual rank; first positional or `hidden_states=`)
+        -> the block output [B, T, dim] (or the block's tuple with its output first)."""
+        x, put = _block_input(args, kwargs)
         xs = SimCopy.apply(x, self.site)
-        partials = []  # P x [B, T, dim]
+        cache_key = next((k for k in _CACHE_KWARGS if kwargs.get(k) is not None), None)
+        subs = None if cache_key is None else self._sub_caches(kwargs[cache_key])
+        outs = []  # P block outputs (tensors or tuples)
         for r, (shard, xr) in enumerate(zip(self.shards, xs)):
-            if cache is not _NO_CACHE_ARG:  # attention: each shard caches its own kv heads
-                kwargs["cache"] = None if cache is None else self._sub_caches(cache)[r]
-            partials.append(shard(xr, *args, **kwargs))
+            a, kw = put(xr)
+            if subs is not None:  # attention: each shard caches its own kv heads
+                kw[cache_key] = subs[r]
+            outs.append(shard(*a, **kw))
+        tup = isinstance(outs[0], tuple)
+        partials = [o[0] if tup else o for o in outs]  # P x [B, T, dim]
         y = SimReduce.apply(torch.stack(partials), self.site)
-        return y if self.bias is None else y + self.bias
+        y = y if self.bias is None else y + self.bias
+        if not tup:
+            return y
+        return (y, *(_join_heads([o[i] for o in outs]) for i in range(1, len(outs[0]))))
 
-    def _sub_caches(self, cache: LayerKVCache) -> list[LayerKVCache]:
+    def _sub_caches(self, cache) -> list:
         subs = self._caches.get(cache)
         if subs is None:
-            subs = [LayerKVCache(cache.batch_size, cache.max_len) for _ in self.shards]
+            subs = self.split_cache(cache, len(self.shards), self.shards[0])
             self._caches[cache] = subs
         return subs
 
 
+_CACHE_KWARGS = ("cache", "past_key_values")
+
+
+def _split_layer_cache(cache: LayerKVCache, n_shards: int, shard: nn.Module):
+    return [LayerKVCache(cache.batch_size, cache.max_len) for _ in range(n_shards)]
+
+
 def parallelize(model: Transformer, comm, rank: int | None = None, *, policy=None,
-                plan: dict | None = None) -> Transformer:
+                plan: dict | None = None, layout=None, n_layers: int | None = None,
+                pass_root: nn.Module | None = None, split_cache=None) -> Transformer:
     """Shard `model` in place for `rank` of comm's group (or for all P virtual ranks when comm is
     a SimulatedCommunicator) and route its TP sites through comm with bits=policy(site).
 
     policy: None (the config's bits), a preset name ('uniform4', 'uniform8', '16', 'early8'),
-    a {site: bits} table, a per-site list or a callable (tp.policy.make_policy)."""
+    a {site: bits} table, a per-site list or a callable (tp.policy.make_policy).
+    Models other than `Transformer` name their `plan`, head `layout` (plan.HeadLayout),
+    `n_layers`, `pass_root` (the module whose forward is one pass; default model) and, for
+    simulated KV caches, `split_cache` (see SimTPBlock)."""
     if getattr(model, "echo_tp", None) is not None:
         raise ValueError("model is already parallelized; build a fresh one")
     plan = TP_PLAN if plan is None else plan
-    cfg = model.cfg
+    cfg = model.cfg if layout is None else layout
+    n_layers = cfg.n_layers if n_layers is None else n_layers
+    pass_root = model if pass_root is None else pass_root
     P = comm.world_size
     simulated = bool(getattr(comm, "simulated", False))
     if not simulated:
@@ -108,31 +142,37 @@ def parallelize(model: Transformer, comm, rank: int | None = None, *, policy=Non
             rank = dist.get_rank(comm.group)
         if not 0 <= rank < P:
             raise ValueError(f"rank {rank} is outside the TP group of {P}")
-    tp = TPContext(comm=comm, policy=make_policy(policy, cfg.n_layers), world_size=P,
-                   n_layers=cfg.n_layers, rank=None if simulated else rank, cfg=cfg)
+    tp = TPContext(comm=comm, policy=make_policy(policy, n_layers), world_size=P,
+                   n_layers=n_layers, rank=None if simulated else rank, cfg=cfg)
     blocks = [(n, m, s) for n, m in model.named_modules()
               if isinstance(s := match_plan(plan, n), BlockInput)]
     if simulated:
         for name, block, style in blocks:
-            _set_submodule(model, name, _sim_block(tp, plan, name, block, style))
+            _set_submodule(model, name, _sim_block(tp, plan, name, block, style, split_cache))
     else:
         for name, module in list(model.named_modules()):
             _shard(tp, plan, name, module, rank, model)
         for name, block, style in blocks:
             site = Site(tp, site_index(name, style.slot))
-            block.register_forward_pre_hook(_copy_hook(site))
+            block.register_forward_pre_hook(_copy_hook(site), with_kwargs=True)
+            if style.local_heads:
+                _set_local_heads(tp, block, rank)
+            if _reduces_at_output(plan, name, block):
+                _check_no_rowwise_bias(name, block)
+                block.register_forward_hook(_reduce_hook(site))
+                continue
             for child in block.modules():
                 if isinstance(child, RowwiseLinear):
                     child.site = site
         orphans = [n for n, m in model.named_modules() if isinstance(m, RowwiseLinear)
-                   and m.site is None]
+                   and m.site is None and not _in_output_reduced_block(plan, n, model)]
         if orphans:
             raise ValueError(f"row-parallel modules outside any BlockInput entry of the plan: "
                              f"{orphans}; their partial outputs would never be summed")
     _record_replicas(tp, model)
     model.echo_tp = tp
-    model.register_forward_pre_hook(_forward_pass_hook(tp))
-    model.register_forward_hook(_backward_pass_hook(tp))
+    pass_root.register_forward_pre_hook(_forward_pass_hook(tp))
+    pass_root.register_forward_hook(_backward_pass_hook(tp))
     return model
 
 
@@ -155,9 +195,41 @@ def _context(model) -> TPContext:
 
 
 def _copy_hook(site: Site):
-    def hook(module, args):
-        return (CopyToTP.apply(args[0], site), *args[1:])
+    def hook(module, args, kwargs):
+        x, put = _block_input(args, kwargs)
+        return put(CopyToTP.apply(x, site))
     return hook
+
+
+def _reduce_hook(site: Site):
+    """Real rank, a block of SplitParams experts: all-reduce the block output (its first item)."""
+    def hook(module, args, out):
+        if isinstance(out, tuple):
+            return (ReduceFromTP.apply(out[0], site), *out[1:])
+        return ReduceFromTP.apply(out, site)
+    return hook
+
+
+def _reduces_at_output(plan, name: str, block: nn.Module) -> bool:
+    return any(isinstance(match_plan(plan, f"{name}.{c}" if c else name), SplitParams)
+               for c, _ in block.named_modules())
+
+
+def _in_output_reduced_block(plan, name: str, model: nn.Module) -> bool:
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        prefix = ".".join(parts[:i])
+        if isinstance(match_plan(plan, prefix), BlockInput):
+            return _reduces_at_output(plan, prefix, model.get_submodule(prefix))
+    return False
+
+
+def _check_no_rowwise_bias(name: str, block: nn.Module) -> None:
+    biased = [n for n, m in block.named_modules() if isinstance(m, RowwiseLinear)
+              and m.bias is not None]
+    if biased:
+        raise ValueError(f"{name}: a row-parallel bias inside a block reduced at its output "
+                         f"({biased}) would be summed P times; such blocks are not supported")
 
 
 def _forward_pass_hook(tp: TPContext):
@@ -168,13 +240,25 @@ def _forward_pass_hook(tp: TPContext):
 
 def _backward_pass_hook(tp: TPContext):
     def hook(module, args, out):
-        if torch.is_grad_enabled() and out.requires_grad:
-            return BackwardPassStart.apply(out, tp)
-        return None
+        if isinstance(out, torch.Tensor):
+            h = out
+        elif hasattr(out, "last_hidden_state"):  # a transformers ModelOutput
+            h = out.last_hidden_state
+        else:
+            raise ValueError(f"pass_root returned {type(out).__name__}; it must return the "
+                             "hidden states (a tensor or an output with last_hidden_state)")
+        if not (torch.is_grad_enabled() and h.requires_grad):
+            return None
+        h = BackwardPassStart.apply(h, tp)
+        if isinstance(out, torch.Tensor):
+            return h
+        out.last_hidden_state = h
+        return out
     return hook
 
 
-def _sim_block(tp: TPContext, plan, name: str, block: nn.Module, style: BlockInput) -> SimTPBlock:
+def _sim_block(tp: TPContext, plan, name: str, block: nn.Module, style: BlockInput,
+               split_cache=None) -> SimTPBlock:
     site = Site(tp, site_index(name, style.slot))
     shards, bias = [], None
     for r in range(tp.world_size):
@@ -184,7 +268,12 @@ def _sim_block(tp: TPContext, plan, name: str, block: nn.Module, style: BlockInp
             b = _shard(tp, plan, full, child, r, shard, local_name=child_name)
             if b is not None and r == 0:
                 bias = b
+        if style.local_heads:
+            _set_local_heads(tp, shard, r)
         shards.append(shard)
+    if bias is not None and _reduces_at_output(plan, name, block):
+        raise ValueError(f"{name}: a row-parallel bias inside a block reduced at its output "
+                         "is not supported")
     for r in range(tp.world_size):
         for pname, _ in shards[r].named_parameters(remove_duplicate=False):
             tp.sim_names[(r, f"{name}.{pname}")] = f"{name}.shards.{r}.{pname}"
@@ -192,7 +281,7 @@ def _sim_block(tp: TPContext, plan, name: str, block: nn.Module, style: BlockInp
         for r in range(tp.world_size):
             tp.sim_names[(r, bias[0])] = f"{name}.bias"
         bias = bias[1]
-    return SimTPBlock(shards, site, bias)
+    return SimTPBlock(shards, site, bias, split_cache)
 
 
 def _shard(tp: TPContext, plan, name: str, module: nn.Module, rank: int, root: nn.Module, *,
@@ -223,6 +312,15 @@ def _shard(tp: TPContext, plan, name: str, module: nn.Module, rank: int, root: n
             bias = None
         _set_submodule(root, local_name, RowwiseLinear(weight, bias, site=None))
         return moved
+    elif isinstance(style, SplitParams):
+        for pname, dim, unit in style.params:
+            param = getattr(module, pname, None)
+            if not isinstance(param, nn.Parameter):
+                raise ValueError(f"{name}: the plan splits parameter {pname!r}, which it lacks")
+            full = param.shape[dim]
+            idx = unit_rows(cfg, unit, full, P, rank).to(param.device)
+            _record_shard(tp, f"{name}.{pname}", dim, unit, full)
+            setattr(module, pname, nn.Parameter(param.detach().index_select(dim, idx)))
     elif isinstance(style, PartialGradReplicate):
         for pname, _ in module.named_parameters():
             tp.partial.add(f"{name}.{pname}")

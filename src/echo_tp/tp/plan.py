@@ -7,13 +7,22 @@ Modules the table does not name (embed_tokens, every RMSNorm but q/k norm, model
 stay whole and identical on every rank, so the vocabulary need not divide P.
 
 Styles:
-    Colwise(unit)   output rows split (q/k/v, gate/up); unit 'q_head' / 'kv_head' / 'row'
+    Colwise(unit)   output rows split (q/k/v, gate/up); unit 'q_head' / 'kv_head' / 'row', or a
+                    tuple of them for a packed weight (Phi-3 qkv_proj: ('q_head', 'kv_head',
+                    'kv_head'); gate_up_proj: ('row', 'row')): each section split on its own
     Rowwise(unit, slot)
                     input columns split (o_proj, down_proj); the partial output is summed by the
                     block's FORWARD site 2*layer + slot (Megatron's "g"), the bias added after it
-    BlockInput(slot)
+    BlockInput(slot, local_heads)
                     the block's input is copied to the TP region: identity forward, all-reduce of
-                    the input gradient backward: BACKWARD site 2*layer + slot (Megatron's "f")
+                    the input gradient backward: BACKWARD site 2*layer + slot (Megatron's "f").
+                    local_heads: an attention module that keeps head counts in attributes
+                    (transformers' num_key_value_groups, ...): they are set to this rank's
+    SplitParams(params)
+                    a module whose own parameters are split, ((name, dim, unit), ...): fused MoE
+                    experts (gate_up_proj [E, 2I, H] along dim 1, down_proj [E, H, I] along dim 2).
+                    Its output is a partial sum: the enclosing block's output is all-reduced once
+                    (one forward site per MoE block, however many experts)
     PartialGradReplicate()
                     a replicated weight used on this rank's heads only (Qwen3 q_norm / k_norm):
                     its gradient is a partial sum over the group (tp.sync_partial_grads)
@@ -21,6 +30,8 @@ Styles:
 Key/value heads: with n_kv_heads >= P they are split like query heads (n_kv_heads % P == 0);
 with n_kv_heads < P (P % n_kv_heads == 0) each rank keeps the one kv head its query heads read,
 so ranks P/n_kv_heads apart hold copies whose gradients are partial sums over those ranks.
+The head maths reads only `n_heads`, `n_kv_heads` and `head_dim` of its layout argument: a
+`ModelConfig`, or a `HeadLayout` for models built elsewhere (echo_tp.hf).
 """
 from __future__ import annotations
 
@@ -36,10 +47,19 @@ SITES_PER_LAYER = 2
 
 
 @dataclass(frozen=True)
+class HeadLayout:
+    """The attention shape the shard maths needs (ModelConfig has the same three fields)."""
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
 class Colwise:
     """Column-parallel linear: rank r keeps the output rows (and bias) of its units."""
 
-    unit: str = "row"
+    unit: str | tuple[str, ...] = "row"
 
 
 @dataclass(frozen=True)
@@ -55,6 +75,14 @@ class BlockInput:
     """The f site at a block's input (gradient all-reduce in backward)."""
 
     slot: int = 0
+    local_heads: bool = False
+
+
+@dataclass(frozen=True)
+class SplitParams:
+    """A module's own parameters split along a dim each: ((param name, dim, unit), ...)."""
+
+    params: tuple[tuple[str, int, str | tuple[str, ...]], ...]
 
 
 @dataclass(frozen=True)
@@ -126,8 +154,17 @@ def kv_heads(cfg: ModelConfig, world_size: int, rank: int) -> list[int]:
                      "pick a TP size that divides it or that it divides")
 
 
-def unit_rows(cfg: ModelConfig, unit: str, full: int, world_size: int, rank: int) -> torch.Tensor:
-    """Indices (along the split dim, of size `full`) that rank keeps for a unit kind."""
+def unit_rows(cfg: ModelConfig, unit, full: int, world_size: int, rank: int) -> torch.Tensor:
+    """Indices (along the split dim, of size `full`) that rank keeps for a unit kind, or for a
+    packed tuple of kinds (sections in order; head sections are n_heads / n_kv_heads heads wide,
+    'row' sections share what is left equally)."""
+    if isinstance(unit, tuple):
+        sizes = _section_sizes(cfg, unit, full)
+        parts, offset = [], 0
+        for kind, size in zip(unit, sizes):
+            parts.append(offset + unit_rows(cfg, kind, size, world_size, rank))
+            offset += size
+        return torch.cat(parts)
     if unit == "q_head":
         heads = q_heads(cfg, world_size, rank)
     elif unit == "kv_head":
@@ -144,10 +181,30 @@ def unit_rows(cfg: ModelConfig, unit: str, full: int, world_size: int, rank: int
     return torch.cat([torch.arange(h * hd, (h + 1) * hd) for h in heads])
 
 
-def replica_groups(cfg: ModelConfig, unit: str, world_size: int) -> list[tuple[int, ...]]:
+def _section_sizes(cfg, units: tuple[str, ...], full: int) -> list[int]:
+    """Widths of the sections of a packed dim of size `full` (see unit_rows)."""
+    heads = {"q_head": cfg.n_heads * cfg.head_dim, "kv_head": cfg.n_kv_heads * cfg.head_dim}
+    bad = [u for u in units if u not in (*heads, "row")]
+    if bad:
+        raise ValueError(f"unknown shard unit {bad[0]!r} in packed units {units}")
+    fixed = sum(heads.get(u, 0) for u in units)
+    n_rows = sum(u == "row" for u in units)
+    rest = full - fixed
+    if rest < 0 or (n_rows and rest % n_rows) or (not n_rows and rest):
+        raise ValueError(f"a packed dim of {full} does not hold the sections {units} of "
+                         f"{cfg.n_heads} q / {cfg.n_kv_heads} kv heads of {cfg.head_dim}")
+    return [heads[u] if u in heads else rest // n_rows for u in units]
+
+
+def replica_groups(cfg: ModelConfig, unit, world_size: int) -> list[tuple[int, ...]]:
     """Ranks that hold the same slice of a unit kind (one group per distinct slice)."""
     groups: dict[tuple, list[int]] = {}
+    has_kv = unit == "kv_head" or (isinstance(unit, tuple) and "kv_head" in unit)
+    if isinstance(unit, tuple) and has_kv and cfg.n_kv_heads % world_size:
+        raise ValueError(f"a packed {unit} weight cannot keep {cfg.n_kv_heads} kv heads whole "
+                         f"on TP={world_size} ranks (its q rows differ per rank): choose a TP "
+                         "size that divides the number of key/value heads")
     for r in range(world_size):
-        key = tuple(kv_heads(cfg, world_size, r)) if unit == "kv_head" else (r,)
+        key = tuple(kv_heads(cfg, world_size, r)) if has_kv else (r,)
         groups.setdefault(key, []).append(r)
     return [tuple(g) for g in groups.values()]

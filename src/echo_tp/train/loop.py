@@ -4,7 +4,11 @@
          steps=2000, seq_len=1024, batch_size=8, grad_accum=4, lr=3.5e-4, simulate=4)
 
 - Model: a preset, random init from `seed` on every rank, then tp.parallelize (fp32 master
-  weights; bf16 autocast on CUDA unless amp=False).
+  weights; bf16 autocast on CUDA unless amp=False). Or an HF directory with a config.json of a
+  transformers causal LM (any family echo_tp.hf supports): with *.safetensors weights it is
+  loaded by echo_tp.hf.load_hf_tp (fine-tuning; each rank reads its slices), with config.json
+  only it is built by transformers (from_config, seeded by `seed`, the same on every rank) and
+  sharded by parallelize_hf; fp32 either way. Checkpoints are then written by echo_tp.hf.save_hf.
 - Data: train/data.py, order fixed by `seed`: the same batches for every comm config.
 - Step: grad_accum micro-batches (loss / grad_accum), tp.sync_partial_grads, clipping on the
   global grad norm (tp.clip_grad_norm_: split parameters all slices, replicated ones once), AdamW
@@ -40,7 +44,7 @@ from .log import LossLog, plot_losses
 @dataclass(frozen=True, kw_only=True)
 class TrainOptions:
     model: str
-    """Model preset name (echo_tp.models.PRESETS)."""
+    """Model preset name (echo_tp.models.PRESETS), or an HF directory (see the module doc)."""
     train_data: str
     """Token file (.bin + .json sidecar) to train on."""
     val_data: str | None = None
@@ -104,9 +108,38 @@ def build_optimizer(model, o: TrainOptions) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
 
 
+def is_hf_dir(spec: str) -> bool:
+    """An HF directory (config.json), not a preset name; ValueError for a dir without one."""
+    path = Path(spec)
+    if not path.is_dir():
+        return False
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{spec} is a directory without config.json: pass a preset name or an "
+                         "HF directory (config.json, optionally *.safetensors)")
+    return True
+
+
+def _build_hf(o: TrainOptions, comm, rank, device, policy):
+    """(parallelized transformers model in train mode, its config as a dict, vocab_size)."""
+    import transformers
+
+    from echo_tp.hf import load_hf_tp, parallelize_hf
+    from echo_tp.hf.plan import text_config
+    if any(Path(o.model).glob("*.safetensors")):
+        model = load_hf_tp(o.model, comm, rank, dtype=torch.float32, device=device,
+                           policy=policy)
+    else:
+        config = transformers.AutoConfig.from_pretrained(o.model)
+        torch.manual_seed(o.seed)  # the same init on every rank (built whole, then sharded)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        parallelize_hf(model.to(device), comm, rank, policy=policy)
+    return model.train(), model.config.to_dict(), text_config(model).vocab_size
+
+
 def _loss(model, x, y, amp: bool, device) -> torch.Tensor:
     with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=amp):
         logits = model(x)  # [B, T, V]
+        logits = getattr(logits, "logits", logits)  # a transformers ModelOutput
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
 
@@ -123,14 +156,20 @@ def _rank_train(rank: int | None, world_size: int, o: TrainOptions) -> dict:
     amp = device.type == "cuda" if o.amp is None else o.amp
     main = rank in (None, 0)
     spec = parse_comm_spec(o.comm)
-    cfg = ModelConfig.from_name(o.model)
-    model = init_weights(build_meta_model(cfg).to_empty(device=device), seed=o.seed).train()
-    parallelize(model, make_comm(rank, world_size, spec.config), rank, policy=spec.policy)
+    comm = make_comm(rank, world_size, spec.config)
+    if is_hf_dir(o.model):
+        cfg = None
+        model, model_config, vocab_size = _build_hf(o, comm, rank, device, spec.policy)
+    else:
+        cfg = ModelConfig.from_name(o.model)
+        model = init_weights(build_meta_model(cfg).to_empty(device=device), seed=o.seed).train()
+        parallelize(model, comm, rank, policy=spec.policy)
+        model_config, vocab_size = dataclasses.asdict(cfg), cfg.vocab_size
     opt = build_optimizer(model, o)
     tokens = load_tokens(o.train_data)
     for name, t in (("train", tokens),):
-        if t.numel() and int(t.max()) >= cfg.vocab_size:
-            raise ValueError(f"{name} token id {int(t.max())} >= vocab_size {cfg.vocab_size}")
+        if t.numel() and int(t.max()) >= vocab_size:
+            raise ValueError(f"{name} token id {int(t.max())} >= vocab_size {vocab_size}")
     batches = TokenBatches(tokens, seq_len=o.seq_len, batch_size=o.batch_size, seed=o.seed)
     val = None
     if o.val_data:
@@ -142,7 +181,7 @@ def _rank_train(rank: int | None, world_size: int, o: TrainOptions) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         (out / "train_config.json").write_text(json.dumps(
             {**dataclasses.asdict(o), "world_size": world_size, "simulated": rank is None,
-             "comm_config": spec.as_dict(), "model_config": dataclasses.asdict(cfg)},
+             "comm_config": spec.as_dict(), "model_config": model_config},
             indent=2) + "\n")
         log = LossLog(out / "log.csv")
     bar = None
@@ -189,7 +228,8 @@ def _rank_train(rank: int | None, world_size: int, o: TrainOptions) -> dict:
         bar.close()
     if not main:
         return {}
-    plot = plot_losses(log.rows, out / "loss.png", title=f"{o.model}, TP={world_size}, "
+    plot = plot_losses(log.rows, out / "loss.png", title=f"{Path(o.model).name}, "
+                       f"TP={world_size}, "
                        f"comm {spec.label}")
     losses = [r["loss"] for r in log.rows]
     tail = losses[-min(100, len(losses)):]
@@ -201,6 +241,10 @@ def _rank_train(rank: int | None, world_size: int, o: TrainOptions) -> dict:
 
 
 def _save(model, cfg, path: Path, main: bool) -> None:
+    if cfg is None:  # a transformers model
+        from echo_tp.hf import save_hf
+        save_hf(model, path)  # collective on real ranks; rank 0 writes
+        return
     whole = unshard(model)  # collective on real ranks
     if main:
         save_hf_checkpoint(whole, cfg, path)
@@ -221,7 +265,8 @@ def main(*, model: str, train_data: str, val_data: str | None = None, comm: str 
                      eval_every=eval_every, eval_batches=eval_batches, save_every=save_every,
                      out_dir=out_dir, seed=seed, device=device, amp=amp, progress=progress)
     parse_comm_spec(o.comm)  # fail fast, before any process starts
-    ModelConfig.from_name(o.model)
+    if not is_hf_dir(o.model):
+        ModelConfig.from_name(o.model)
     run = launch(_rank_train, o, simulate=simulate, world_size=world_size)
     if run.is_main:
         r = run.result

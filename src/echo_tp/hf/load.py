@@ -1,0 +1,144 @@
+"""Memory-lean loading: each rank reads only its own shards of an HF checkpoint directory.
+
+    model = load_hf_tp(path, EchoCommunicator.from_group(None, cfg), rank)   # a real rank
+    model = load_hf_tp(path, SimulatedCommunicator(4, cfg))                   # P virtual ranks
+
+The model is built on the meta device from config.json (transformers' AutoModelForCausalLM
+.from_config: no storage), parallelized there by parallelize_hf (only shapes change), and then
+every parameter is read from the *.safetensors files: a split one as the rows / columns its rank
+keeps (the index list of tp.shards as contiguous runs, each one `get_slice(key)[..., a:b]`, so
+the rest of the tensor is never read), a whole one entirely. Tied parameters are read once and
+stay tied. Non-persistent buffers (RoPE inv_freq, Gemma's embed scale) are recomputed by the
+model's own `_init_weights`, which skips every loaded parameter (`_is_hf_initialized`).
+
+Peak memory per real rank: its shards plus the replicated embedding, norms and lm_head, instead
+of the whole model that from_pretrained would materialize before sharding (measured with
+benchmarks/hf_load_memory.py: 0.40x from_pretrained's peak per rank of P=4; reads go through
+safetensors' pread backend, see _open). Checkpoints whose keys
+are the model's parameter names load (what transformers' save_pretrained writes for the dense
+families); a key the model needs but the files lack is a ValueError (for checkpoints stored in an
+older layout, e.g. per-expert MoE weights, load with from_pretrained and call parallelize_hf).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from .parallelize import parallelize_hf
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def load_hf_tp(path: str | Path, comm, rank: int | None = None, *,
+               dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
+               policy=None) -> nn.Module:
+    """An Echo-TP transformers causal LM whose rank (or virtual ranks) read only their shards."""
+    import transformers
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path} has no config.json; expected an HF checkpoint directory")
+    config = transformers.AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    parallelize_hf(model, comm, rank, policy=policy)
+    files = _key_files(path)
+    real = _real_names(model)
+    loaded: dict[int, nn.Parameter] = {}  # id(meta parameter) -> loaded (ties stay ties)
+    with contextlib.ExitStack() as stack:
+        handles = {f: stack.enter_context(_open(f)) for f in sorted(set(files.values()))}
+        for name, param in list(model.named_parameters(remove_duplicate=False)):
+            new = loaded.get(id(param))
+            if new is None:
+                r, key = real[name]
+                if key not in files:
+                    raise ValueError(f"checkpoint {path} has no tensor {key!r} that "
+                                     f"{type(model).__name__} needs; load it with "
+                                     "from_pretrained and call parallelize_hf instead")
+                shard = model.echo_tp.shards.get(key)
+                value = _read(handles[files[key]], key, shard, r)
+                if tuple(value.shape) != tuple(param.shape):
+                    raise ValueError(f"{key}: checkpoint slice {tuple(value.shape)} != model "
+                                     f"{tuple(param.shape)}; config.json and weights disagree")
+                new = nn.Parameter(value.to(device=device, dtype=param.dtype),
+                                   requires_grad=param.requires_grad)
+                new._is_hf_initialized = True
+                loaded[id(param)] = new
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, new)
+    _init_buffers(model, device)
+    return model.eval()
+
+
+def _open(f: Path):
+    """A safetensors handle that reads with pread(2) where safetensors has it (>= 0.8).
+
+    Why not the default mmap: a column slice (o_proj / down_proj keep a range of input
+    features: every row's [a, b)) touches every page of the whole tensor through the mapping,
+    and the kernel maps neighbouring pages too, so each rank's resident memory held most of
+    every row-parallel weight (docs/results/2026-12-01-hf-load-memory.md, a 168 MiB checkpoint
+    at P=4: 138-143 MiB peak per rank with mmap, 68 MiB with pread, for 60 MiB of parameters;
+    from_pretrained 169 MiB). pread copies only the requested bytes into the rank's tensor."""
+    try:
+        return safe_open(str(f), framework="pt", device="cpu", backend="pread")
+    except TypeError:  # safetensors < 0.8: no backend argument
+        return safe_open(str(f), framework="pt", device="cpu")
+
+
+def _key_files(path: Path) -> dict[str, Path]:
+    """Checkpoint key -> the file holding it."""
+    if (path / INDEX_FILE).is_file():
+        weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+        return {k: path / f for k, f in weight_map.items()}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {path}")
+    out = {}
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as h:
+            out.update({k: f for k in h.keys()})
+    return out
+
+
+def _real_names(model: nn.Module) -> dict[str, tuple[int, str]]:
+    """Model parameter name -> (the rank whose slice it holds, the checkpoint key)."""
+    tp = model.echo_tp
+    sim = {s: (r, real) for (r, real), s in tp.sim_names.items()}
+    own = 0 if tp.simulated else tp.rank
+    return {n: sim.get(n, (own, n)) for n, _ in model.named_parameters(remove_duplicate=False)}
+
+
+def _runs(idx: torch.Tensor) -> list[tuple[int, int]]:
+    """[3, 4, 5, 9, 10] -> [(3, 6), (9, 11)]: contiguous half-open ranges."""
+    idx = idx.tolist()
+    runs, start = [], idx[0]
+    for a, b in zip(idx, idx[1:] + [None]):
+        if b != a + 1:
+            runs.append((start, a + 1))
+            start = b
+    return runs
+
+
+def _read(handle, key: str, shard, rank: int) -> torch.Tensor:
+    if shard is None:
+        return handle.get_tensor(key)
+    dim, idx, _ = shard
+    sl = handle.get_slice(key)
+    lead = (slice(None),) * dim
+    return torch.cat([sl[lead + (slice(a, b),)] for a, b in _runs(idx[rank])], dim=dim)
+
+
+@torch.no_grad()
+def _init_buffers(model: nn.Module, device) -> None:
+    """Meta buffers -> real ones, filled by the model's own init (loaded weights untouched)."""
+    for module in model.modules():
+        metas = [n for n, b in module.named_buffers(recurse=False) if b.is_meta]
+        if not metas:
+            continue
+        for n in metas:
+            module._buffers[n] = torch.empty_like(module._buffers[n], device=device)
+        model._init_weights(module)
