@@ -1,14 +1,18 @@
 """Triton kernels against the pure-torch reference, on the CPU under TRITON_INTERPRET=1.
 
 Compared, bit for bit, on fresh random inputs (several seeds):
-  * kernels.quant_kernels.encode / decode  vs  quant.encode / quant.decode: codes, fp16 scales,
-    fp16 zeros, decoded fp32 values; bits 4/8, all three policies, group sizes 8/128/256,
-    bf16/fp16/fp32 inputs, odd group counts, outlier channels, constant / all-zero / far-from-zero
-    / integer / tiny (subnormal-scale) / huge (saturating) groups, NaN and Inf groups.
+  * kernels.quant_kernels.encode / decode  vs  quant.encode / quant.decode: codes, scale words
+    (as int16: both forms, fp16 and tagged bf16, and the NaN word), fp16 zeros, decoded fp32
+    values; bits 4/8, all three policies, group sizes 8/128/256, bf16/fp16/fp32 inputs, odd
+    group counts, outlier channels, constant / all-zero / far-from-zero / integer / tiny /
+    huge groups, NaN and Inf groups; and groups at every scale (issue 15: +-3e6 ramps, 1e30,
+    near fp32 max, 1e-35, fp32 subnormals, huge constants).
   * kernels.allreduce_kernels.SimulatedFused (entry -> reduce -> tail kernels over P per-rank
     buffers, flags included)  vs  collective.qar.compensated_all_reduce over SimTransport:
     y, m1, m2 after consecutive calls; both residual modes, bits 4/8, policies, bf16/fp16/fp32,
-    P = 2/3/4, with and without backward power-of-two scaling.
+    P = 2/3/4, with and without backward power-of-two scaling; and call sequences with huge
+    groups, fp16 sums near 65504, values near fp32 max, NaN/Inf inputs followed by clean calls
+    (outputs saturate, the state stays finite: issue 15).
   * the same kernels with P ranks in P concurrent processes sharing their buffers (as symmetric
     memory does), calls back to back with one rank pushing late and another reducing late: the
     flag protocol must make every wait see its peer's data (a wait that accepts a stale epoch
@@ -115,13 +119,88 @@ def test_encode_decode_bit_exact(bits, quantizer, g, dtype):
     for seed, (rows, groups) in enumerate([(3, 7), (1, 13), (2, 4)]):
         x = adversarial(rows, groups, g, dtype, seed=1000 * bits + 10 * g + seed)
         got, want = qk.encode(x, spec), quant.encode(x, spec)
-        assert_bits_equal(got.codes, want.codes, f"codes seed={seed}")
-        assert_bits_equal(got.scale, want.scale, f"scale seed={seed}")
-        if spec.has_zero:
-            assert_bits_equal(got.zero, want.zero, f"zero seed={seed}")
-        else:
-            assert got.zero is None
-        assert_bits_equal(qk.decode(got, spec), quant.decode(want, spec), f"decoded seed={seed}")
+        assert_packets_equal(got, want, spec, f"seed={seed}")
+
+
+def assert_packets_equal(got, want, spec, what):
+    """Codes, scale words (int16: strict, the NaN word included), zeros and decoded values."""
+    assert_bits_equal(got.codes, want.codes, f"codes {what}")
+    assert_bits_equal(got.scale.view(torch.int16), want.scale.view(torch.int16),
+                      f"scale words {what}")
+    if spec.has_zero:
+        assert_bits_equal(got.zero, want.zero, f"zero {what}")
+    else:
+        assert got.zero is None
+    assert_bits_equal(qk.decode(got, spec), quant.decode(want, spec), f"decoded {what}")
+
+
+def extreme(rows: int, groups: int, g: int, dtype, seed: int):
+    """[rows, groups*g] groups at every scale (issue 15), one random kind each: +-3e6 ramps,
+    randn at 10^k for k in [-38, 38], near the dtype's largest value, fp32 subnormals, one-sided
+    and far-from-zero wide groups, huge and tiny constants, fp16 sums near 65504."""
+    gen = torch.Generator().manual_seed(seed)
+    big = float(torch.finfo(dtype).max) * (0.99 if dtype != torch.float16 else 0.999)
+    x = torch.randn(rows, groups, g, generator=gen)
+    kinds = torch.randint(0, 8, (rows, groups), generator=gen)
+    expo = torch.randint(-38, 39, (rows, groups), generator=gen).double()
+    for r in range(rows):
+        for j in range(groups):
+            k, v, m = int(kinds[r, j]), x[r, j], float(10.0 ** expo[r, j])
+            if k == 0:
+                v.copy_(torch.linspace(-3e6, 3e6, g) * (1 + 0.1 * v[0]))        # issue 15 ramp
+            elif k == 1:
+                v.mul_(m)
+            elif k == 2:
+                v.copy_((v.abs() * 0.2 + 0.5) * big * (1 if j % 2 else -1))    # near the max
+            elif k == 3:
+                v.mul_(1e-40)                                                 # fp32 subnormal
+            elif k == 4:
+                v.copy_(v.abs() * m + m)                                      # one-sided
+            elif k == 5:
+                v.mul_(m * 1e-3).add_(m * (1 if j % 2 else -1))               # far from zero
+            elif k == 6:
+                v.fill_(float(v[0]) * m if j % 2 else big * (1 if r % 2 else -1))   # constant
+            else:
+                v.copy_(torch.linspace(-1000.0, 64992.0, g))                 # fp16 near max
+    x = x.clamp(-big, big)
+    return x.reshape(rows, groups * g).to(dtype)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("quantizer", ["zero_aware", "naive", "symmetric"])
+@pytest.mark.parametrize("g", [8, 128])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_encode_decode_bit_exact_at_every_scale(bits, quantizer, g, dtype):
+    """Issue 15 item 2: both scale-word forms, saturating decodes, the fp32-overflowing width."""
+    spec = QuantSpec(bits=bits, group_size=g, quantizer=quantizer)
+    for seed, (rows, groups) in enumerate([(3, 11), (2, 16)]):
+        x = extreme(rows, groups, g, dtype, seed=5000 + 1000 * bits + 10 * g + seed)
+        got, want = qk.encode(x, spec), quant.encode(x, spec)
+        assert_packets_equal(got, want, spec, f"seed={seed}")
+        xg = x.float().reshape(-1, g)
+        fin = torch.isfinite(xg).all(-1)
+        err = (qk.decode(got, spec).reshape(-1, g) - xg).abs()[fin]
+        bound = _group_error_bound(xg, spec)[fin]
+        assert torch.all(err <= bound), float((err - bound).max())
+
+
+def _group_error_bound(xg, spec):
+    """Per-element bound [G, g] from the group alone, fp32 xg [G, g]: half a step s (width / L,
+    at least d / Z_MAX; max|x| / Q symmetric), widened by the scale's rounding up (< 2^-7
+    relative; fp16 subnormal steps in [2^-24, 2^-14): 2^-24 absolute), plus the fp16
+    zero-point's rounding and constant groups' (|x| 2^-6) and the 2^-126 floor."""
+    lo, hi = xg.double().amin(-1), xg.double().amax(-1)
+    if spec.quantizer == "symmetric":
+        step = torch.maximum(lo.abs(), hi.abs()) / spec.qmax
+    else:
+        step = torch.maximum((hi - lo) / spec.levels,
+                             torch.clamp_min(torch.maximum(lo, -hi), 0) / quant.Z_MAX)
+    const = lo == hi
+    ref = torch.where(const, lo.abs(), step)
+    sub16 = ((ref >= 2 ** -24) & (ref < 2 ** -14)).double() * 2 ** -23
+    step = torch.where(const, torch.zeros_like(step), step)
+    return (0.5 * step * (1 + 2 ** -6) + sub16).unsqueeze(-1) + xg.double().abs() * 2 ** -6 \
+        + 2 ** -126
 
 
 def test_encode_shapes_and_errors():
@@ -176,6 +255,62 @@ def _check_fused(P, cfg, n, dtype, backward, calls, seed, state_dtype=torch.floa
         assert_bits_equal(state.m1, ref_state.m1, f"m1 call={call}")
         assert_bits_equal(state.m2, ref_state.m2, f"m2 call={call}")
     return state
+
+
+def _edge_input(P, n, dtype, call, seed):
+    """Call `call` of an issue-15 sequence, [P, n] in dtype: 0 huge groups (randn * 1e6, or
+    fp16 partials summing to 64992 - the 4-bit grid reaches past 65504); 1 mixed scales with a
+    NaN and an Inf; 2 clean; 3 values near the dtype's largest (sums past it); 4 clean."""
+    gen = torch.Generator().manual_seed(seed + call)
+    x = torch.randn(P, n, generator=gen)
+    big = float(torch.finfo(dtype).max)
+    ramp = (torch.linspace(-1000.0, 64992.0, 128) / P).repeat(-(-n // 128))[:n]
+    if call == 0:
+        x = ramp.expand(P, n).clone() if dtype == torch.float16 else x * 1e6
+    elif call == 1:
+        wide = 1e30 if dtype != torch.float16 else 3e4
+        x[:, :128] = torch.linspace(-3e6, 3e6, 128) if dtype != torch.float16 else ramp[:128]
+        x[:, 128:256] *= wide
+        x[:, 256:384] *= 1e-35 if dtype != torch.float16 else 1e-6
+        x[1, 400] = float("nan")
+        x[P - 1, 900] = float("inf")
+    elif call == 3:
+        x = (x.abs() * 0.05 + 0.8).clamp(max=0.99) * big
+        x[:, 1::2] *= -1
+        x[:, 512:] = ramp[512:] if dtype == torch.float16 else x[:, 512:]
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("P,bits,quantizer,residual,dtype,backward,sdtype",
+                         [(4, 4, "zero_aware", "output", torch.bfloat16, False, torch.float32),
+                          (4, 4, "zero_aware", "local", torch.float16, False, torch.float32),
+                          (2, 4, "naive", "local", torch.float32, False, torch.bfloat16),
+                          (3, 8, "symmetric", "output", torch.float16, False, torch.bfloat16),
+                          (4, 4, "symmetric", "local", torch.bfloat16, True, torch.float32),
+                          (2, 8, "zero_aware", "output", torch.float32, True, torch.float32)],
+                         ids=str)
+def test_fused_edge_sequences_match_reference(P, bits, quantizer, residual, dtype, backward,
+                                              sdtype):
+    """Issue 15 through the fused kernels, bit for bit with the reference, call after call:
+    huge and tiny groups (tagged scale words), fp16 sums near 65504 and values near the
+    dtype's max (saturating y), NaN/Inf then clean calls (the state stays finite)."""
+    cfg = two_timescale(bits=bits, quantizer=quantizer, residual=residual,
+                        state_dtype="bfloat16" if sdtype == torch.bfloat16 else "float32")
+    n = 1100 + 37 * P
+    sim = sf.SimulatedFused(P, tile_elems=256)
+    ref_state = CompState.zeros((P, n), "cpu", sdtype)
+    state = CompState.zeros((P, n), "cpu", sdtype)
+    for call in range(5):
+        x = _edge_input(P, n, dtype, call, seed=3100 + 10 * P + bits)
+        want, _ = compensated_all_reduce(x, cfg, SimTransport(P), state=ref_state,
+                                         backward=backward)
+        got = sim(x, cfg, state=state, backward=backward)
+        assert_bits_equal(got, want, f"y call={call}")
+        assert_bits_equal(state.m1, ref_state.m1, f"m1 call={call}")
+        assert_bits_equal(state.m2, ref_state.m2, f"m2 call={call}")
+        assert torch.isfinite(state.m1).all() and torch.isfinite(state.m2).all(), call
+        if call != 1:                                   # finite input: finite y
+            assert torch.isfinite(got).all(), call
 
 
 @pytest.mark.parametrize("P,bits,quantizer,residual,dtype,backward", FUSED_CASES, ids=str)

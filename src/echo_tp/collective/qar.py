@@ -106,7 +106,9 @@ def grad_scale(xp: torch.Tensor, t: Transport) -> torch.Tensor:
     """xp fp32 [*B, N] -> the group-shared power of two 2^e [*B, 1] (SPEC §5)."""
     local = xp.abs().amax(dim=-1) if xp.shape[-1] else xp.new_zeros(xp.shape[:-1])
     # NaN counts as +inf (a MAX reduction may drop NaN): either way the scale falls back to 1
-    amax = t.all_max(torch.nan_to_num(local, nan=float("inf")))
+    # (posinf too: nan_to_num's default would turn +inf into fp32 max, and the scale into 2^-100)
+    inf = float("inf")
+    amax = t.all_max(torch.nan_to_num(local, nan=inf, posinf=inf))
     ok = torch.isfinite(amax) & (amax > 0)
     e = torch.floor(torch.log2(GRAD_SCALE_TARGET / torch.where(ok, amax, torch.ones_like(amax))))
     e = torch.where(ok, e.clamp(-100, 100), torch.zeros_like(e))
