@@ -45,7 +45,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from echo_tp import quant  # noqa: E402
-from harness import bits_differ, two_timescale  # noqa: E402
+from harness import bits_differ, edge_input, extreme_groups, two_timescale  # noqa: E402
 from echo_tp.collective.qar import compensated_all_reduce  # noqa: E402
 from echo_tp.collective.simulated import SimTransport  # noqa: E402
 from echo_tp.compensator import CompState  # noqa: E402
@@ -134,38 +134,6 @@ def assert_packets_equal(got, want, spec, what):
     assert_bits_equal(qk.decode(got, spec), quant.decode(want, spec), f"decoded {what}")
 
 
-def extreme(rows: int, groups: int, g: int, dtype, seed: int):
-    """[rows, groups*g] groups at every scale (issue 15), one random kind each: +-3e6 ramps,
-    randn at 10^k for k in [-38, 38], near the dtype's largest value, fp32 subnormals, one-sided
-    and far-from-zero wide groups, huge and tiny constants, fp16 sums near 65504."""
-    gen = torch.Generator().manual_seed(seed)
-    big = float(torch.finfo(dtype).max) * (0.99 if dtype != torch.float16 else 0.999)
-    x = torch.randn(rows, groups, g, generator=gen)
-    kinds = torch.randint(0, 8, (rows, groups), generator=gen)
-    expo = torch.randint(-38, 39, (rows, groups), generator=gen).double()
-    for r in range(rows):
-        for j in range(groups):
-            k, v, m = int(kinds[r, j]), x[r, j], float(10.0 ** expo[r, j])
-            if k == 0:
-                v.copy_(torch.linspace(-3e6, 3e6, g) * (1 + 0.1 * v[0]))        # issue 15 ramp
-            elif k == 1:
-                v.mul_(m)
-            elif k == 2:
-                v.copy_((v.abs() * 0.2 + 0.5) * big * (1 if j % 2 else -1))    # near the max
-            elif k == 3:
-                v.mul_(1e-40)                                                 # fp32 subnormal
-            elif k == 4:
-                v.copy_(v.abs() * m + m)                                      # one-sided
-            elif k == 5:
-                v.mul_(m * 1e-3).add_(m * (1 if j % 2 else -1))               # far from zero
-            elif k == 6:
-                v.fill_(float(v[0]) * m if j % 2 else big * (1 if r % 2 else -1))   # constant
-            else:
-                v.copy_(torch.linspace(-1000.0, 64992.0, g))                 # fp16 near max
-    x = x.clamp(-big, big)
-    return x.reshape(rows, groups * g).to(dtype)
-
-
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("quantizer", ["zero_aware", "naive", "symmetric"])
 @pytest.mark.parametrize("g", [8, 128])
@@ -174,7 +142,7 @@ def test_encode_decode_bit_exact_at_every_scale(bits, quantizer, g, dtype):
     """Issue 15 item 2: both scale-word forms, saturating decodes, the fp32-overflowing width."""
     spec = QuantSpec(bits=bits, group_size=g, quantizer=quantizer)
     for seed, (rows, groups) in enumerate([(3, 11), (2, 16)]):
-        x = extreme(rows, groups, g, dtype, seed=5000 + 1000 * bits + 10 * g + seed)
+        x = extreme_groups(rows, groups, g, dtype, seed=5000 + 1000 * bits + 10 * g + seed)
         got, want = qk.encode(x, spec), quant.encode(x, spec)
         assert_packets_equal(got, want, spec, f"seed={seed}")
         xg = x.float().reshape(-1, g)
@@ -257,30 +225,6 @@ def _check_fused(P, cfg, n, dtype, backward, calls, seed, state_dtype=torch.floa
     return state
 
 
-def _edge_input(P, n, dtype, call, seed):
-    """Call `call` of an issue-15 sequence, [P, n] in dtype: 0 huge groups (randn * 1e6, or
-    fp16 partials summing to 64992 - the 4-bit grid reaches past 65504); 1 mixed scales with a
-    NaN and an Inf; 2 clean; 3 values near the dtype's largest (sums past it); 4 clean."""
-    gen = torch.Generator().manual_seed(seed + call)
-    x = torch.randn(P, n, generator=gen)
-    big = float(torch.finfo(dtype).max)
-    ramp = (torch.linspace(-1000.0, 64992.0, 128) / P).repeat(-(-n // 128))[:n]
-    if call == 0:
-        x = ramp.expand(P, n).clone() if dtype == torch.float16 else x * 1e6
-    elif call == 1:
-        wide = 1e30 if dtype != torch.float16 else 3e4
-        x[:, :128] = torch.linspace(-3e6, 3e6, 128) if dtype != torch.float16 else ramp[:128]
-        x[:, 128:256] *= wide
-        x[:, 256:384] *= 1e-35 if dtype != torch.float16 else 1e-6
-        x[1, 400] = float("nan")
-        x[P - 1, 900] = float("inf")
-    elif call == 3:
-        x = (x.abs() * 0.05 + 0.8).clamp(max=0.99) * big
-        x[:, 1::2] *= -1
-        x[:, 512:] = ramp[512:] if dtype == torch.float16 else x[:, 512:]
-    return x.to(dtype)
-
-
 @pytest.mark.parametrize("P,bits,quantizer,residual,dtype,backward,sdtype",
                          [(4, 4, "zero_aware", "output", torch.bfloat16, False, torch.float32),
                           (4, 4, "zero_aware", "local", torch.float16, False, torch.float32),
@@ -301,7 +245,7 @@ def test_fused_edge_sequences_match_reference(P, bits, quantizer, residual, dtyp
     ref_state = CompState.zeros((P, n), "cpu", sdtype)
     state = CompState.zeros((P, n), "cpu", sdtype)
     for call in range(5):
-        x = _edge_input(P, n, dtype, call, seed=3100 + 10 * P + bits)
+        x = edge_input(P, n, dtype, call, seed=3100 + 10 * P + bits)
         want, _ = compensated_all_reduce(x, cfg, SimTransport(P), state=ref_state,
                                          backward=backward)
         got = sim(x, cfg, state=state, backward=backward)

@@ -223,6 +223,10 @@ def test_extreme_groups_saturate_instead_of_overflowing(policy):
     bf = x[2:4].to(torch.bfloat16).float()                       # constant bf16 values: exact
     assert torch.equal(quant.quant_dequant(bf, spec), bf)
     assert float(err[4].max()) <= 2.0 ** -127
+    # every finite group's step lies in [2^-126, 2^126): 1/s is a normal fp32 (the kernels'
+    # division by a scale relies on it)
+    s = quant.scale_value(quant.group_params(torch.cat([x, bf]), spec)[0])
+    assert bool(((s >= 2.0 ** -126) & (s < 2.0 ** 126)).all())
 
 
 @pytest.mark.parametrize("policy", POLICIES)

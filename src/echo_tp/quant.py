@@ -26,8 +26,8 @@ The scale word (16 bits, sent where an fp16 would be; read it with `scale_value`
 Edge cases, defined here once (kernels copy them):
   * Constant groups (lo == hi = v): s = |v| so that v is code 0 with z = -sign(v) (asymmetric) or
     code sign(v) (symmetric); exact whenever |v| is an fp16 value in [2^-24, 65504] or a bf16
-    value outside it (|v| > 2^126: s = |v|/2 and v is code 0 with z = -2 sign(v), or code
-    2 sign(v), so that 1/s stays a normal fp32). All-zero groups use s = 1.
+    value outside it (|v| > 2^126: s = |v|/4 and v is code 0 with z = -4 sign(v), or code
+    4 sign(v), so that every step is below 2^126 and 1/s a normal fp32). All-zero groups use s = 1.
   * Far-from-zero groups: s is widened to at least d / Z_MAX so the zero-point magnitude stays
     <= Z_MAX = 256, where fp16 holds it to within 1/16 of a step; the extra error is then bounded
     by |lo| * 2^-9, below bf16's own rounding of the values.
@@ -56,8 +56,9 @@ SCALE_MIN = 2.0 ** -24
 """Smallest positive fp16 (subnormal) value: the finest step an fp16 scale word holds."""
 WIDE_MIN = 2.0 ** -126
 """Smallest normal fp32/bf16 value: the finest step a bf16 scale word holds."""
-CONST_HALVED = 2.0 ** 126
-"""Constant groups with |v| above this use s = |v|/2 (1/s stays a normal fp32)."""
+CONST_BIG = 2.0 ** 126
+"""Constant groups with |v| above this use s = |v|/4: every step stays below 2^126, so 1/s is
+a normal fp32 (what the kernels' division by a scale needs)."""
 F32_MAX = float(torch.finfo(torch.float32).max)
 BF16_TAG = 0x8000
 """Sign bit of a scale word: set = the low 15 bits are a bf16 scale, clear = an fp16 scale."""
@@ -136,7 +137,7 @@ def _step(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
         s = torch.where(torch.isinf(width), hi / lv - lo / lv, width / lv)   # no overflow
         s = torch.maximum(s, d / Z_MAX)
     v = lo.abs()
-    s = torch.where(lo == hi, torch.where(v > CONST_HALVED, v * 0.5, v), s)   # constant group
+    s = torch.where(lo == hi, torch.where(v > CONST_BIG, v * 0.25, v), s)   # constant group
     return torch.where(s == 0, torch.ones_like(s), s)
 
 

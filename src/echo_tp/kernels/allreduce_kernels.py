@@ -548,7 +548,8 @@ def _align(v: int, a: int) -> int:
 class Layout:
     """One rank's buffer: receive slots [P(sender)], gather slots [P(owner)], then int64 flags
     recv [P][tiles], gath [P][tiles] and the abort word. A slot holds one segment packet:
-    codes at 0, fp16 scales at scale_off, fp16 zeros at zero_off (16-byte aligned regions)."""
+    codes at 0, 16-bit scale words at scale_off, fp16 zeros at zero_off (16-byte aligned
+    regions)."""
 
     world_size: int
     seg: int

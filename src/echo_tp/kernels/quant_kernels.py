@@ -230,8 +230,8 @@ def _group_params(x, QUANT: tl.constexpr, LEVELS: tl.constexpr, QMAX: tl.constex
                      _div(width, LEVELS))                # a width past fp32: no overflow
         s = tl.maximum(s, d * 0.00390625)              # d / Z_MAX, Z_MAX = 256 (exact)
     v = tl.abs(lo)
-    s = tl.where(lo == hi, tl.where(v > 8.507059173023462e37, v * 0.5, v), s)  # constant:
-    s = tl.where(s == 0.0, 1.0, s)                     # |v| (|v|/2 above 2^126); all-zero: 1
+    s = tl.where(lo == hi, tl.where(v > 8.507059173023462e37, v * 0.25, v), s)  # constant:
+    s = tl.where(s == 0.0, 1.0, s)                     # |v| (|v|/4 above 2^126); all-zero: 1
     s = tl.where(finite, s, 1.0)
     sw = _scale_word(s, finite)
     sf = _word_scale(sw)
