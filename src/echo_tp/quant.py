@@ -14,11 +14,12 @@ Policies (L = 2^b - 1, Q = 2^(b-1) - 1):
 
 The scale word (16 bits, sent where an fp16 would be; read it with `scale_value`):
   * sign bit 0: the word is the fp16 scale. Every group whose step s lies in fp16's range of
-    steps [2^-24, 65504] uses it (the common case: bits as ever).
+    steps [2^-24, 65504] uses it (the common case, with the same bits as before the tagged
+    form existed).
   * sign bit 1: the low 15 bits are the bf16 bit pattern of the scale (bf16's 8-bit exponent:
-    steps from 2^-126 to fp32's largest), for groups wider than 65504 * L or narrower than
-    2^-24 * L. The scale is always positive, so the sign bit is free; the wire cost is unchanged
-    (68 bytes per 128 values at 4 bits).
+    steps in [2^-126, 2^126), which covers every finite fp32/bf16 group), for groups wider than
+    65504 * L or narrower than 2^-24 * L. The scale is always positive, so the sign bit is
+    free; the wire cost is unchanged (68 bytes per 128 values at 4 bits).
   Either way the scale is rounded UP (the grid always covers [lo, hi]), so every finite group's
   error is bounded by its own step, s/2 (+ the zero-point rounding below), at any magnitude.
   The zero-point stays fp16 at every scale: it counts steps, and |z| <= Z_MAX + L.
@@ -27,10 +28,12 @@ Edge cases, defined here once (kernels copy them):
   * Constant groups (lo == hi = v): s = |v| so that v is code 0 with z = -sign(v) (asymmetric) or
     code sign(v) (symmetric); exact whenever |v| is an fp16 value in [2^-24, 65504] or a bf16
     value outside it (|v| > 2^126: s = |v|/4 and v is code 0 with z = -4 sign(v), or code
-    4 sign(v), so that every step is below 2^126 and 1/s a normal fp32). All-zero groups use s = 1.
+    4 sign(v), so that every step is below 2^126 and 1/s a normal fp32). All-zero groups use
+    s = 1.
   * Far-from-zero groups: s is widened to at least d / Z_MAX so the zero-point magnitude stays
-    <= Z_MAX = 256, where fp16 holds it to within 1/16 of a step; the extra error is then bounded
-    by |lo| * 2^-9, below bf16's own rounding of the values.
+    <= Z_MAX + L < 512 (Z_MAX = 256), where fp16 holds it to within half its ulp, 1/8 of a
+    step, at every scale; the extra error is then bounded by |lo| * 2^-9, below bf16's own
+    rounding of the values.
   * Steps are at least 2^-126 (fp32's smallest normal): a group narrower than 2^-126 * L (fp32
     subnormal values) has an absolute error of at most 2^-127.
   * Groups whose width hi - lo overflows fp32 take s = hi/L - lo/L; decoded values, the owner

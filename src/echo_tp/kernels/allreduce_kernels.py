@@ -13,7 +13,7 @@ y and the compensator state are bit-identical). Per rank r, with P ranks, segmen
          the output residual). residual 'local': m1, m2 of the own segment are updated with
          s - y_own.
   tail   (grid tiles x P, or P-1 owners with OWN_Y)    wait gath[j][t]; decode;
-         y = cast(y32 [/ 2^e]); residual 'output': u = x' - y/P and the m1, m2 update.
+         y = cast(y32 [/ 2^e]) (saturating); residual 'output': u = x' - y/P and the m1, m2 update.
   reduce_tail: reduce and tail in one launch, the tails trailing the reduces by `lag` tiles
          (work items in ticket order); or the tail as a few persistent programs on a second
          stream beside the reduce (tail_loop_kernel); as measured fastest (p2p.overlap_mode).
