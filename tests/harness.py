@@ -1,13 +1,15 @@
 """Shared test helpers. One multi-process test harness (gloo on CPU): echo_tp.launch.run_ranks.
 Start-up (~seconds per spawn) dominates, so tests put many checks into one spawned function and
 cache it per module. `bits_differ`: the bit-for-bit comparison every exactness test uses.
-`two_timescale`: the config the compensator tests run on."""
+`two_timescale`: the config the compensator tests run on. `extreme_groups`, `edge_input`: the
+issue-15 inputs (groups at every scale; call sequences with huge groups, sums near the dtype's
+max and NaN/Inf), shared by the interpreted and the GPU kernel tests."""
 import torch
 
 from echo_tp.config import PAPER_STATE, EchoConfig
 from echo_tp.launch import run_ranks
 
-__all__ = ["run_ranks", "bits_differ", "two_timescale"]
+__all__ = ["run_ranks", "bits_differ", "two_timescale", "extreme_groups", "edge_input"]
 
 
 def two_timescale(**kw) -> EchoConfig:
@@ -25,3 +27,59 @@ def bits_differ(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     gn, wn = got.isnan(), want.isnan()
     ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[got.element_size()]
     return (gn != wn) | (~gn & ~wn & (got.view(ints) != want.view(ints)))
+
+
+def extreme_groups(rows: int, groups: int, g: int, dtype, seed: int):
+    """[rows, groups*g] groups at every scale (issue 15), one random kind each: +-3e6 ramps,
+    randn at 10^k for k in [-38, 38], near the dtype's largest value, fp32 subnormals, one-sided
+    and far-from-zero wide groups, huge and tiny constants, fp16 sums near 65504."""
+    gen = torch.Generator().manual_seed(seed)
+    big = float(torch.finfo(dtype).max) * (0.99 if dtype != torch.float16 else 0.999)
+    x = torch.randn(rows, groups, g, generator=gen)
+    kinds = torch.randint(0, 8, (rows, groups), generator=gen)
+    expo = torch.randint(-38, 39, (rows, groups), generator=gen).double()
+    for r in range(rows):
+        for j in range(groups):
+            k, v, m = int(kinds[r, j]), x[r, j], float(10.0 ** expo[r, j])
+            if k == 0:
+                v.copy_(torch.linspace(-3e6, 3e6, g) * (1 + 0.1 * v[0]))        # issue 15 ramp
+            elif k == 1:
+                v.mul_(m)
+            elif k == 2:
+                v.copy_((v.abs() * 0.2 + 0.5) * big * (1 if j % 2 else -1))    # near the max
+            elif k == 3:
+                v.mul_(1e-40)                                                 # fp32 subnormal
+            elif k == 4:
+                v.copy_(v.abs() * m + m)                                      # one-sided
+            elif k == 5:
+                v.mul_(m * 1e-3).add_(m * (1 if j % 2 else -1))               # far from zero
+            elif k == 6:
+                v.fill_(float(v[0]) * m if j % 2 else big * (1 if r % 2 else -1))   # constant
+            else:
+                v.copy_(torch.linspace(-1000.0, 64992.0, g))                 # fp16 near max
+    x = x.clamp(-big, big)
+    return x.reshape(rows, groups * g).to(dtype)
+
+
+def edge_input(P, n, dtype, call, seed):
+    """Call `call` of an issue-15 sequence, [P, n] in dtype: 0 huge groups (randn * 1e6, or
+    fp16 partials summing to 64992 - the 4-bit grid reaches past 65504); 1 mixed scales with a
+    NaN and an Inf; 2 clean; 3 values near the dtype's largest (sums past it); 4 clean."""
+    gen = torch.Generator().manual_seed(seed + call)
+    x = torch.randn(P, n, generator=gen)
+    big = float(torch.finfo(dtype).max)
+    ramp = (torch.linspace(-1000.0, 64992.0, 128) / P).repeat(-(-n // 128))[:n]
+    if call == 0:
+        x = ramp.expand(P, n).clone() if dtype == torch.float16 else x * 1e6
+    elif call == 1:
+        wide = 1e30 if dtype != torch.float16 else 3e4
+        x[:, :128] = torch.linspace(-3e6, 3e6, 128) if dtype != torch.float16 else ramp[:128]
+        x[:, 128:256] *= wide
+        x[:, 256:384] *= 1e-35 if dtype != torch.float16 else 1e-6
+        x[1, 400] = float("nan")
+        x[P - 1, 900] = float("inf")
+    elif call == 3:
+        x = (x.abs() * 0.05 + 0.8).clamp(max=0.99) * big
+        x[:, 1::2] *= -1
+        x[:, 512:] = ramp[512:] if dtype == torch.float16 else x[:, 512:]
+    return x.to(dtype)

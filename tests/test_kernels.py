@@ -1,14 +1,18 @@
 """Triton kernels against the pure-torch reference, on the CPU under TRITON_INTERPRET=1.
 
 Compared, bit for bit, on fresh random inputs (several seeds):
-  * kernels.quant_kernels.encode / decode  vs  quant.encode / quant.decode: codes, fp16 scales,
-    fp16 zeros, decoded fp32 values; bits 4/8, all three policies, group sizes 8/128/256,
-    bf16/fp16/fp32 inputs, odd group counts, outlier channels, constant / all-zero / far-from-zero
-    / integer / tiny (subnormal-scale) / huge (saturating) groups, NaN and Inf groups.
+  * kernels.quant_kernels.encode / decode  vs  quant.encode / quant.decode: codes, scale words
+    (as int16: both forms, fp16 and tagged bf16, and the NaN word), fp16 zeros, decoded fp32
+    values; bits 4/8, all three policies, group sizes 8/128/256, bf16/fp16/fp32 inputs, odd
+    group counts, outlier channels, constant / all-zero / far-from-zero / integer / tiny /
+    huge groups, NaN and Inf groups; and groups at every scale (issue 15: +-3e6 ramps, 1e30,
+    near fp32 max, 1e-35, fp32 subnormals, huge constants).
   * kernels.allreduce_kernels.SimulatedFused (entry -> reduce -> tail kernels over P per-rank
     buffers, flags included)  vs  collective.qar.compensated_all_reduce over SimTransport:
     y, m1, m2 after consecutive calls; both residual modes, bits 4/8, policies, bf16/fp16/fp32,
-    P = 2/3/4, with and without backward power-of-two scaling.
+    P = 2/3/4, with and without backward power-of-two scaling; and call sequences with huge
+    groups, fp16 sums near 65504, values near fp32 max, NaN/Inf inputs followed by clean calls
+    (outputs saturate, the state stays finite: issue 15).
   * the same kernels with P ranks in P concurrent processes sharing their buffers (as symmetric
     memory does), calls back to back with one rank pushing late and another reducing late: the
     flag protocol must make every wait see its peer's data (a wait that accepts a stale epoch
@@ -41,7 +45,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from echo_tp import quant  # noqa: E402
-from harness import bits_differ, two_timescale  # noqa: E402
+from harness import bits_differ, edge_input, extreme_groups, two_timescale  # noqa: E402
 from echo_tp.collective.qar import compensated_all_reduce  # noqa: E402
 from echo_tp.collective.simulated import SimTransport  # noqa: E402
 from echo_tp.compensator import CompState  # noqa: E402
@@ -115,13 +119,56 @@ def test_encode_decode_bit_exact(bits, quantizer, g, dtype):
     for seed, (rows, groups) in enumerate([(3, 7), (1, 13), (2, 4)]):
         x = adversarial(rows, groups, g, dtype, seed=1000 * bits + 10 * g + seed)
         got, want = qk.encode(x, spec), quant.encode(x, spec)
-        assert_bits_equal(got.codes, want.codes, f"codes seed={seed}")
-        assert_bits_equal(got.scale, want.scale, f"scale seed={seed}")
-        if spec.has_zero:
-            assert_bits_equal(got.zero, want.zero, f"zero seed={seed}")
-        else:
-            assert got.zero is None
-        assert_bits_equal(qk.decode(got, spec), quant.decode(want, spec), f"decoded seed={seed}")
+        assert_packets_equal(got, want, spec, f"seed={seed}")
+
+
+def assert_packets_equal(got, want, spec, what):
+    """Codes, scale words (int16: strict, the NaN word included), zeros and decoded values."""
+    assert_bits_equal(got.codes, want.codes, f"codes {what}")
+    assert_bits_equal(got.scale.view(torch.int16), want.scale.view(torch.int16),
+                      f"scale words {what}")
+    if spec.has_zero:
+        assert_bits_equal(got.zero, want.zero, f"zero {what}")
+    else:
+        assert got.zero is None
+    assert_bits_equal(qk.decode(got, spec), quant.decode(want, spec), f"decoded {what}")
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("quantizer", ["zero_aware", "naive", "symmetric"])
+@pytest.mark.parametrize("g", [8, 128])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_encode_decode_bit_exact_at_every_scale(bits, quantizer, g, dtype):
+    """Issue 15 item 2: both scale-word forms, saturating decodes, the fp32-overflowing width."""
+    spec = QuantSpec(bits=bits, group_size=g, quantizer=quantizer)
+    for seed, (rows, groups) in enumerate([(3, 11), (2, 16)]):
+        x = extreme_groups(rows, groups, g, dtype, seed=5000 + 1000 * bits + 10 * g + seed)
+        got, want = qk.encode(x, spec), quant.encode(x, spec)
+        assert_packets_equal(got, want, spec, f"seed={seed}")
+        xg = x.float().reshape(-1, g)
+        fin = torch.isfinite(xg).all(-1)
+        err = (qk.decode(got, spec).reshape(-1, g) - xg).abs()[fin]
+        bound = _group_error_bound(xg, spec)[fin]
+        assert torch.all(err <= bound), float((err - bound).max())
+
+
+def _group_error_bound(xg, spec):
+    """Per-element bound [G, g] from the group alone, fp32 xg [G, g]: half a step s (width / L,
+    at least d / Z_MAX; max|x| / Q symmetric), widened by the scale's rounding up (< 2^-7
+    relative; fp16 subnormal steps in [2^-24, 2^-14): 2^-24 absolute), plus the fp16
+    zero-point's rounding and constant groups' (|x| 2^-6) and the 2^-126 floor."""
+    lo, hi = xg.double().amin(-1), xg.double().amax(-1)
+    if spec.quantizer == "symmetric":
+        step = torch.maximum(lo.abs(), hi.abs()) / spec.qmax
+    else:
+        step = torch.maximum((hi - lo) / spec.levels,
+                             torch.clamp_min(torch.maximum(lo, -hi), 0) / quant.Z_MAX)
+    const = lo == hi
+    ref = torch.where(const, lo.abs(), step)
+    sub16 = ((ref >= 2 ** -24) & (ref < 2 ** -14)).double() * 2 ** -23
+    step = torch.where(const, torch.zeros_like(step), step)
+    return (0.5 * step * (1 + 2 ** -6) + sub16).unsqueeze(-1) + xg.double().abs() * 2 ** -6 \
+        + 2 ** -126
 
 
 def test_encode_shapes_and_errors():
@@ -176,6 +223,38 @@ def _check_fused(P, cfg, n, dtype, backward, calls, seed, state_dtype=torch.floa
         assert_bits_equal(state.m1, ref_state.m1, f"m1 call={call}")
         assert_bits_equal(state.m2, ref_state.m2, f"m2 call={call}")
     return state
+
+
+@pytest.mark.parametrize("P,bits,quantizer,residual,dtype,backward,sdtype",
+                         [(4, 4, "zero_aware", "output", torch.bfloat16, False, torch.float32),
+                          (4, 4, "zero_aware", "local", torch.float16, False, torch.float32),
+                          (2, 4, "naive", "local", torch.float32, False, torch.bfloat16),
+                          (3, 8, "symmetric", "output", torch.float16, False, torch.bfloat16),
+                          (4, 4, "symmetric", "local", torch.bfloat16, True, torch.float32),
+                          (2, 8, "zero_aware", "output", torch.float32, True, torch.float32)],
+                         ids=str)
+def test_fused_edge_sequences_match_reference(P, bits, quantizer, residual, dtype, backward,
+                                              sdtype):
+    """Issue 15 through the fused kernels, bit for bit with the reference, call after call:
+    huge and tiny groups (tagged scale words), fp16 sums near 65504 and values near the
+    dtype's max (saturating y), NaN/Inf then clean calls (the state stays finite)."""
+    cfg = two_timescale(bits=bits, quantizer=quantizer, residual=residual,
+                        state_dtype="bfloat16" if sdtype == torch.bfloat16 else "float32")
+    n = 1100 + 37 * P
+    sim = sf.SimulatedFused(P, tile_elems=256)
+    ref_state = CompState.zeros((P, n), "cpu", sdtype)
+    state = CompState.zeros((P, n), "cpu", sdtype)
+    for call in range(5):
+        x = edge_input(P, n, dtype, call, seed=3100 + 10 * P + bits)
+        want, _ = compensated_all_reduce(x, cfg, SimTransport(P), state=ref_state,
+                                         backward=backward)
+        got = sim(x, cfg, state=state, backward=backward)
+        assert_bits_equal(got, want, f"y call={call}")
+        assert_bits_equal(state.m1, ref_state.m1, f"m1 call={call}")
+        assert_bits_equal(state.m2, ref_state.m2, f"m2 call={call}")
+        assert torch.isfinite(state.m1).all() and torch.isfinite(state.m2).all(), call
+        if call != 1:                                   # finite input: finite y
+            assert torch.isfinite(got).all(), call
 
 
 @pytest.mark.parametrize("P,bits,quantizer,residual,dtype,backward", FUSED_CASES, ids=str)

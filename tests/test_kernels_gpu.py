@@ -5,18 +5,22 @@ round fp32 -> bf16 with the conversion instruction (quant_kernels.HW_FORMS); the
 (tests/test_kernels.py, TRITON_INTERPRET=1) run the arithmetic forms instead. These tests hold
 the compiled forms to torch's reference on fresh random inputs:
   * _div_by_scale against torch's tensor / tensor division (IEEE on CUDA) for EVERY positive
-    fp16 scale, with dividends spread over the whole fp32 range;
-  * Triton encode/decode against quant.py (torch) on CUDA, adversarial groups included;
+    fp16 scale, with dividends spread over the whole fp32 range, and for EVERY value a tagged
+    (bf16) scale word of a finite group can hold, [2^-126, 2^126);
+  * Triton encode/decode against quant.py (torch) on CUDA, adversarial groups included, and
+    groups at every scale (issue 15: both scale-word forms, fp32 subnormals, near fp32 max);
   * SimulatedFused (every stage kernel, P ranks on one GPU) against compensated_all_reduce with
     the torch quantizer (ECHO_TORCH_QUANT=1), y and the compensator state bit for bit;
   * the persistent tail (overlap 'stream') running beside every rank's reduce on separate
-    streams: real concurrency on one GPU, same bits.
+    streams: real concurrency on one GPU, same bits;
+  * issue-15 call sequences (huge groups, sums near the dtype's max, NaN/Inf then clean calls)
+    through SimulatedFused against the torch reference.
 """
 from __future__ import annotations
 
 import pytest
 import torch
-from harness import bits_differ, two_timescale
+from harness import bits_differ, edge_input, extreme_groups, two_timescale
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -27,7 +31,8 @@ def _all_fp16_scales() -> torch.Tensor:
     return bits.view(torch.float16).float()
 
 
-def test_fast_division_is_ieee_division_for_every_fp16_scale():
+def _fast_divide(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """_div_by_scale compiled: x [G, 128] / s [G] (G a multiple of 16), CUDA fp32."""
     import triton
     import triton.language as tl
 
@@ -40,6 +45,12 @@ def test_fast_division_is_ieee_division_for_every_fp16_scale():
         v = _div_by_scale(tl.load(x_ptr + offs), tl.load(s_ptr + grp))
         tl.store(out_ptr + offs, v)
 
+    out = torch.empty_like(x)
+    div_kernel[(s.numel() // 16,)](x, s, out, BG=16, GS=128, **LAUNCH_OPTS)
+    return out
+
+
+def test_fast_division_is_ieee_division_for_every_fp16_scale():
     s = _all_fp16_scales().cuda()
     s = torch.cat([s, s[: (-s.numel()) % 16]])                        # whole programs
     gen = torch.Generator(device="cuda").manual_seed(1234)
@@ -54,8 +65,7 @@ def test_fast_division_is_ieee_division_for_every_fp16_scale():
                                                   generator=gen) + 0.5)
         x[:, 40] = 0.0
         x[:, 41] = -0.0
-        out = torch.empty_like(x)
-        div_kernel[(s.numel() // 16,)](x, s, out, BG=16, GS=128, **LAUNCH_OPTS)
+        out = _fast_divide(x, s)
         want = x / s[:, None]                                         # IEEE division on CUDA
         assert not out.isnan().any() and not out.isinf().any()
         # Bit-exact wherever the code round(v + z), clipped, can depend on the last bit;
@@ -66,6 +76,52 @@ def test_fast_division_is_ieee_division_for_every_fp16_scale():
         assert ((out - want).abs()[want.abs() < 2.0 ** -100] < 2.0 ** -90).all()
         big = want.abs() > 2.0 ** 100
         assert (out[big].sign() == want[big].sign()).all() and (out[big].abs() > 2.0 ** 99).all()
+
+
+def test_fast_division_is_ieee_division_for_every_bf16_scale_word():
+    """Tagged scale words: every bf16 step in [2^-126, 2^126) (quant.scale_word's range for a
+    finite group, so 1/s is a normal fp32). Dividends as the quantizer meets them there:
+    |x/s| <= 271 + L (Z_MAX widening), from fp32 subnormals up to fp32 max, half-integers."""
+    s = (torch.arange(0x0080, 0x7E80, dtype=torch.int32) << 16).view(torch.float32).cuda()
+    s = torch.cat([s, s[: (-s.numel()) % 16]])
+    fmax = torch.finfo(torch.float32).max
+    gen = torch.Generator(device="cuda").manual_seed(4321)
+    for trial in range(4):
+        k = torch.randint(-40, 9, (s.numel(), 128), device="cuda", generator=gen)
+        x = torch.ldexp(s[:, None] * torch.randn(s.numel(), 128, device="cuda", generator=gen), k)
+        x[:, 32:40] = s[:, None] * (torch.randint(-270, 270, (s.numel(), 8), device="cuda",
+                                                  generator=gen) + 0.5)
+        x[:, 40] = 0.0
+        x[:, 41] = -0.0
+        x[:, 42] = 1e-45                                              # fp32 subnormals
+        x[:, 43] = -3e-39
+        x = x.clamp(-fmax, fmax)
+        out = _fast_divide(x, s)
+        want = x / s[:, None]
+        assert not out.isnan().any() and not out.isinf().any()
+        mid = (want.abs() >= 2.0 ** -100) & (want.abs() <= 2.0 ** 100)
+        bad = bits_differ(out, want) & mid
+        assert not bad.any(), (trial, x[bad][:5], s.expand(128, -1).t()[bad][:5],
+                               out[bad][:5], want[bad][:5])
+        assert ((out - want).abs()[want.abs() < 2.0 ** -100] < 2.0 ** -90).all()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_encode_decode_at_every_scale_match_torch_reference_on_gpu(dtype):
+    from echo_tp import quant
+    from echo_tp.config import QuantSpec
+    from echo_tp.kernels import quant_kernels as qk
+    for bits in (4, 8):
+        for qz in ("zero_aware", "naive", "symmetric"):
+            spec = QuantSpec(bits=bits, group_size=128, quantizer=qz)
+            x = extreme_groups(40, 50, 128, getattr(torch, dtype), seed=77 + bits).cuda()
+            got, want = qk.encode(x, spec), quant.encode(x, spec)
+            assert not bits_differ(got.codes, want.codes).any(), (bits, qz, "codes")
+            assert not bits_differ(got.scale.view(torch.int16),
+                                   want.scale.view(torch.int16)).any(), (bits, qz, "scale")
+            if spec.has_zero:
+                assert not bits_differ(got.zero, want.zero).any(), (bits, qz, "zero")
+            assert not bits_differ(qk.decode(got, spec), quant.decode(want, spec)).any(), (bits, qz)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
@@ -194,3 +250,32 @@ def test_tail_loop_beside_reduce_on_other_streams(P, residual, monkeypatch):
         if st is not None:
             assert not bits_differ(st.m1, st_r.m1).any(), (call, "m1")
             assert not bits_differ(st.m2, st_r.m2).any(), (call, "m2")
+
+
+@pytest.mark.parametrize("case", FUSED[:4] + FUSED[5:], ids=lambda c: "-".join(map(str, c)))
+def test_simulated_fused_edge_calls_match_torch_reference_on_gpu(case, monkeypatch):
+    """Issue 15 on the compiled kernels: huge/tiny groups, fp16 sums near 65504, values near
+    the dtype's max, NaN/Inf then clean calls; y and the state bit for bit, the state finite."""
+    from echo_tp.collective.qar import compensated_all_reduce
+    from echo_tp.collective.simulated import SimTransport
+    from echo_tp.compensator import CompState
+    from echo_tp.kernels.simulated_fused import SimulatedFused
+    monkeypatch.setenv("ECHO_TORCH_QUANT", "1")
+    P, bits, qz, resid, dtype, backward, sdt, compact = case
+    betas = dict(beta1=0.5, beta2=0.5) if compact else {}
+    cfg = two_timescale(bits=bits, quantizer=qz, residual=resid, state_dtype=sdt, **betas)
+    n = 40_000 + 37 * P
+    sdtype = getattr(torch, sdt)
+    st = CompState.zeros((P, n), "cuda", sdtype, compact=compact)
+    st_r = CompState.zeros((P, n), "cuda", sdtype, compact=compact)
+    sim = SimulatedFused(P, tile_elems=1024, timeout_polls=10**7)
+    for call in range(5):
+        x = edge_input(P, n, getattr(torch, dtype), call, seed=90 + P).cuda()
+        y_r, _ = compensated_all_reduce(x, cfg, SimTransport(P), state=st_r, backward=backward)
+        y = sim(x, cfg, state=st, backward=backward)
+        assert not bits_differ(y, y_r).any(), (call, "y", int(bits_differ(y, y_r).sum()))
+        assert not bits_differ(st.m1, st_r.m1).any(), (call, "m1")
+        assert not bits_differ(st.m2, st_r.m2).any(), (call, "m2")
+        assert torch.isfinite(st.m1).all() and torch.isfinite(st.m2).all(), call
+        if call != 1:
+            assert torch.isfinite(y).all(), call

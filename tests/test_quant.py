@@ -1,8 +1,10 @@
 """Quantizer reference (echo_tp.quant) against SPEC.md §3, on fresh random inputs.
 
 Compared: quant_dequant(x) with x itself (error within the step bound), with hand-built groups
-(constant, all-zero, tiny, huge, NaN/Inf) and with the packing layout written out by hand.
-If a bound fails, look first at group_params (scale rounding up, Z_MAX widening, zero blend).
+(constant, all-zero, tiny, huge, NaN/Inf) and with the packing layout written out by hand; the
+scale word's two forms (fp16, or tagged bf16 for steps outside fp16's range) and its bits.
+If a bound fails, look first at group_params (scale rounding up, Z_MAX widening, zero blend)
+and scale_word / scale_value (which form a group's step takes, and how it is read back).
 """
 import pytest
 import torch
@@ -21,7 +23,7 @@ def step_bound(x, spec):
     """Per-element bound: (1/2 + |z16 - z| <= 2^-11 |z16| + tiny) steps, plus fp32 slack."""
     xg = _groups(x, spec)
     s, z = quant.group_params(xg, spec)
-    sf = s.float().unsqueeze(-1)
+    sf = quant.scale_value(s).unsqueeze(-1)
     extra = 0.0 if z is None else (z.float().abs() * 2.0 ** -11 + 2.0 ** -20).unsqueeze(-1)
     return sf * (0.5 + extra) + xg.abs() * 2.0 ** -22
 
@@ -82,14 +84,19 @@ def test_tiny_groups_keep_their_values(policy):
     x = (torch.randn(8, 128, generator=torch.Generator().manual_seed(5)) * 1e-5)
     x = x.to(torch.bfloat16)
     s, _ = quant.group_params(_groups(x, spec), spec)
-    assert torch.all(s.float() < 2.0 ** -14)
+    assert torch.all(quant.scale_value(s) < 2.0 ** -14)
     xh = quant.quant_dequant(x, spec)
     assert torch.all((xh - x.float()).abs().reshape(-1, 128) <= step_bound(x, spec))
     assert torch.all(xh.abs().amax(-1) > 0)          # not flushed to zero
-    # below fp16's finest step the absolute error stays under 2^-25 (documented floor)
+    # below fp16's finest step a bf16 scale word keeps the error relative to the group's width
     t = torch.full((1, 128), 1e-7) + torch.linspace(0, 1e-9, 128)
-    assert float((quant.quant_dequant(t, spec) - t).abs().max()) <= 2.0 ** -25 + 1e-12
-    assert quant.range_report(t, spec)["floored"] == 1
+    assert float((quant.quant_dequant(t, spec) - t).abs().max()) <= 2.0 ** -29  # was 2^-25
+    assert torch.all((quant.quant_dequant(t, spec) - t).abs() <= step_bound(t, spec))
+    assert quant.range_report(t, spec) == {"wide": 0, "tiny": 1, "floored": 0, "nonfinite": 0}
+    # fp32 subnormal groups: the step is floored at 2^-126 (absolute error <= 2^-127)
+    sub = torch.linspace(-1e-40, 1e-40, 128).unsqueeze(0)
+    assert float((quant.quant_dequant(sub, spec) - sub).abs().max()) <= 2.0 ** -127
+    assert quant.range_report(sub, spec)["floored"] == 1
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -100,11 +107,126 @@ def test_values_beyond_fp16_range(policy):
     xh = quant.quant_dequant(x, spec)
     assert torch.isfinite(xh).all()
     assert torch.all((xh - x.float()).abs().reshape(-1, 128) <= step_bound(x, spec))
-    # a group wider than 65504 * L saturates: finite, clipped to the grid, and reported
+    # a group wider than 65504 * L takes a bf16 scale word: within its step, and reported
     w = torch.linspace(-3e7, 3e7, 128, dtype=torch.float32).unsqueeze(0).to(torch.bfloat16)
     wh = quant.quant_dequant(w, spec)
-    assert torch.isfinite(wh).all() and wh.abs().max() > 1e5
-    assert quant.range_report(w, spec)["saturated"] == 1
+    assert torch.all((wh - w.float()).abs().reshape(-1, 128) <= step_bound(w, spec))
+    assert quant.range_report(w, spec) == {"wide": 1, "tiny": 0, "floored": 0, "nonfinite": 0}
+
+
+def _wide_and_tiny_groups(dtype, seed):
+    """[40, 128] groups of every scale: +-3e6 ramps (issue 15), 1e30 and near-fp32-max groups
+    (fp32/bf16), tiny ones (1e-12 .. 1e-35), one-sided and far-from-zero wide groups."""
+    g = torch.Generator().manual_seed(seed)
+    big = 3.0e38 if dtype != torch.float16 else 6.0e4
+    mags = [3e6, 1e7, 1e30, 1e-12, 1e-20, 1e-35, 1e36, big, 1e5, 7e4] \
+        if dtype != torch.float16 else [6e4, 3e4, 1e-5, 1e-7, 6e4, 1e4, 1e-6, 6e4, 1e3, 2e4]
+    rows = [torch.linspace(-3e6, 3e6, 128) if dtype != torch.float16
+            else torch.linspace(-6e4, 6e4, 128)]
+    for i in range(39):
+        m = mags[i % len(mags)]
+        r = torch.randn(128, generator=g) * m / 4
+        if i % 4 == 1:
+            r = r.abs() + m / 2                    # one-sided
+        elif i % 4 == 2:
+            r = r * 1e-2 + m / 2                   # far from zero
+        elif i % 4 == 3:
+            r = r.clamp(-m, m) * 0 + m * 0.9       # constant
+        rows.append(r.clamp(-big, big))
+    return torch.stack(rows).to(dtype)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("bits", (4, 8))
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32, torch.float16))
+def test_every_finite_group_is_within_its_step(policy, bits, dtype):
+    """Issue 15 item 2: groups wider than 65504 * L (and narrower than 2^-24 * L) used to keep
+    the grid anchored at lo under a clamped scale (+-3e6 decoded into [-3.01e6, -2.03e6]);
+    now every finite group's error is within its own step, symmetric around 0."""
+    spec = QuantSpec(bits=bits, quantizer=policy)
+    ramp = quant.quant_dequant(torch.linspace(-3e6, 3e6, 128), spec)
+    assert float(ramp.min()) < -2.5e6 and float(ramp.max()) > 2.5e6
+    for seed in range(3):
+        x = _wide_and_tiny_groups(dtype, seed)
+        xh = quant.quant_dequant(x, spec)
+        assert torch.isfinite(xh).all()
+        err = (xh - x.float()).abs().reshape(-1, spec.group_size)
+        bound = step_bound(x, spec)
+        assert torch.all(err <= bound), float((err - bound).max())
+        # and that step is the group's own (width / L, or d / Z_MAX), rounded up by < 2^-7
+        xg = _groups(x, spec).double()
+        lo, hi = xg.amin(-1), xg.amax(-1)
+        if policy == "symmetric":
+            want = torch.maximum(lo.abs(), hi.abs()) / spec.qmax
+        else:
+            want = torch.maximum((hi - lo) / spec.levels,
+                                 torch.clamp_min(torch.maximum(lo, -hi), 0) / quant.Z_MAX)
+        s = quant.scale_value(quant.group_params(xg.float(), spec)[0]).double()
+        vary = lo != hi
+        assert torch.all(s[vary] >= want[vary] * (1 - 2 ** -22))
+        assert torch.all(s[vary] <= want[vary] * (1 + 2 ** -7) + 2 ** -24)
+
+
+def test_scale_word_forms_and_bits():
+    """The scale word: fp16 (sign bit 0) inside [2^-24, 65504], unchanged bits; outside, sign
+    bit 1 and the bf16 pattern of the step rounded up; fp16 NaN for non-finite groups."""
+    s = torch.tensor([1.0, 65504.0, 2.0 ** -24, 65504.5, 1e30, 2.0 ** -25, 1e-40, 3.0, 1.0])
+    finite = torch.tensor([True] * 8 + [False])
+    w = quant.scale_word(s, finite)
+    assert w.dtype == torch.float16
+    bits = w.view(torch.int16).to(torch.int32) & 0xFFFF
+    assert bits[[0, 1, 2, 7]].tolist() == [0x3C00, 0x7BFF, 0x0001, 0x4200]
+    assert bits[8].item() == quant.NAN_WORD
+    assert torch.all(bits[3:7] >= 0x8000)
+    v = quant.scale_value(w)
+    assert v[[0, 1, 2, 7]].tolist() == [1.0, 65504.0, 2.0 ** -24, 3.0] and v[8].isnan()
+    assert torch.all(v[3:6] >= s[3:6]) and torch.all(v[3:6] <= s[3:6] * (1 + 2 ** -7))
+    assert v[3].item() == 65536.0                                  # bf16 just above 65504
+    assert v[6].item() == 2.0 ** -126                              # the floor
+    assert ((bits[4] & 0x7FFF) << 16).item() == \
+        quant.round_up_bf16_bits(torch.tensor([1e30])).item() << 16
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_normal_range_packets_keep_their_bits(policy):
+    """Groups whose step fits fp16 encode exactly as before the tagged form existed: the scale
+    word is round_up_fp16(s) itself (what the old format sent), codes and zeros follow."""
+    spec = QuantSpec(bits=4, quantizer=policy)
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(64, 1024, generator=g) * torch.exp(torch.randn(64, 1, generator=g) * 2)
+    xg = _groups(x, spec)
+    s, _ = quant.group_params(xg, spec)
+    lo, hi = xg.amin(-1), xg.amax(-1)
+    if policy == "symmetric":
+        old = torch.maximum(lo.abs(), hi.abs()) / spec.qmax
+    else:
+        old = torch.maximum((hi - lo) / spec.levels, torch.clamp_min(torch.maximum(lo, -hi), 0)
+                            / quant.Z_MAX)
+    assert bool(((old >= 2 ** -24) & (old <= 65504)).all())
+    assert torch.equal(s.view(torch.int16), quant.round_up_fp16(old).view(torch.int16))
+    assert bool((s.view(torch.int16) >= 0).all())                 # sign bit clear: fp16 form
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_extreme_groups_saturate_instead_of_overflowing(policy):
+    """Groups at fp32's limits: the width hi - lo overflows fp32, the grid rounded up passes
+    fp32 max; decoded values saturate at +-fp32 max, constant groups stay exact."""
+    spec = QuantSpec(bits=4, quantizer=policy)
+    fmax = torch.finfo(torch.float32).max
+    x = torch.stack([torch.linspace(-1, 1, 128) * fmax, torch.linspace(0, 1, 128) * fmax,
+                     torch.full((128,), torch.finfo(torch.bfloat16).max), torch.full((128,), -1e38),
+                     torch.full((128,), 2.0 ** -130)])
+    xh = quant.quant_dequant(x, spec)
+    assert torch.isfinite(xh).all()
+    err = (xh - x).abs().reshape(-1, spec.group_size)
+    assert torch.all(err[:2] <= step_bound(x[:2], spec) + fmax * 2 ** -20)
+    bf = x[2:4].to(torch.bfloat16).float()                       # constant bf16 values: exact
+    assert torch.equal(quant.quant_dequant(bf, spec), bf)
+    assert float(err[4].max()) <= 2.0 ** -127
+    # every finite group's step lies in [2^-126, 2^126): 1/s is a normal fp32 (the kernels'
+    # division by a scale relies on it)
+    s = quant.scale_value(quant.group_params(torch.cat([x, bf]), spec)[0])
+    assert bool(((s >= 2.0 ** -126) & (s < 2.0 ** 126)).all())
 
 
 @pytest.mark.parametrize("policy", POLICIES)

@@ -14,7 +14,12 @@ At every site:
 
 Every product and sum is a separate fp32 rounding with the fp32-rounded constants of
 `CompensatorConstants`; fused kernels must reproduce exactly this order. A bf16 state is read
-as fp32 (exact), computed on in fp32, and rounded once to bf16 (RNE) when stored.
+as fp32 (exact), computed on in fp32, and rounded once to bf16 (RNE, saturating) when stored.
+
+Non-finite values never enter the state: where an updated m1 or m2 is not finite (a NaN/Inf
+input, or its group's NaN output, made u non-finite) the element's state is stored as 0, so
+a bad input affects the call it entered and no later one. x' of a finite x saturates at
++-fp32 max instead of overflowing.
 
 Sites of different sizes in one pass: the state is kept per element count, so each distinct
 tensor size forms its own error stream (all TP sites of one model share the size of the hidden
@@ -27,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import CompensatorConstants, EchoConfig
+from .quant import clamp_finite, saturate
 
 
 @dataclass
@@ -59,16 +65,30 @@ def correction(state: CompState, k: CompensatorConstants) -> torch.Tensor:
     return (_compute(state.m1) * k.a + _compute(state.m2) * k.one_minus_a) * k.eta
 
 
+def apply_correction(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """x' = x + c, fp32 [..]: saturated at +-fp32 max where x is finite (Inf/NaN x pass)."""
+    xp = x + c
+    return torch.where(torch.isfinite(x), clamp_finite(xp), xp)
+
+
+def _store(dst: torch.Tensor, v: torch.Tensor) -> None:
+    """dst <- v (the state's arithmetic dtype), 0 where v is not finite; a bf16 state is
+    rounded once (RNE), saturating."""
+    v = torch.where(torch.isfinite(v), v, torch.zeros_like(v))
+    dst.copy_(saturate(v, dst.dtype) if dst.dtype == torch.bfloat16 else v)
+
+
 def update_(state: CompState, u: torch.Tensor, k: CompensatorConstants) -> None:
     """m1 = beta1*m1 + (1-beta1)*u; m2 = beta2*m2 + (1-beta2)*u, in place (computed in the
-    state's arithmetic dtype, then stored: one rounding to bf16 for a bf16 state)."""
+    state's arithmetic dtype, then stored: one rounding to bf16 for a bf16 state; 0 where the
+    new value is not finite)."""
     m1, m2 = _compute(state.m1), _compute(state.m2)
     u = u.to(m1.dtype)
     if state.compact and k.beta1 != k.beta2:
         raise ValueError("a compact compensator state needs beta1 == beta2")
-    state.m1.copy_(m1 * k.beta1 + u * k.one_minus_beta1)
+    _store(state.m1, m1 * k.beta1 + u * k.one_minus_beta1)
     if not state.compact:                   # one tensor: the m2 update is the m1 update
-        state.m2.copy_(m2 * k.beta2 + u * k.one_minus_beta2)
+        _store(state.m2, m2 * k.beta2 + u * k.one_minus_beta2)
 
 
 def output_residual(x_prime: torch.Tensor, y: torch.Tensor, world_size: int) -> torch.Tensor:

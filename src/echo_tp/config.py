@@ -54,7 +54,7 @@ class QuantSpec:
     bits: int = 4
     """Code width, 4 or 8 (16 is the plain all-reduce and never reaches the quantizer)."""
     group_size: int = 128
-    """Consecutive values sharing one fp16 scale (and zero-point): a power of two >= 8."""
+    """Consecutive values sharing one scale word (and zero-point): a power of two >= 8."""
     quantizer: str = "zero_aware"
     """'zero_aware' (default asymmetric with the blended zero-point), 'naive' (grid anchored at
     the group minimum) or 'symmetric' (no zero-point, code -2^(b-1) unused)."""
@@ -82,7 +82,8 @@ class QuantSpec:
         return self.quantizer != "symmetric"
 
     def packet_bytes(self, n: int) -> int:
-        """Wire bytes of n values (n a multiple of group_size): codes + fp16 scale (+ zero)."""
+        """Wire bytes of n values (n a multiple of group_size): codes + 16-bit scale word
+        (+ fp16 zero)."""
         groups = n // self.group_size
         return n * self.bits // 8 + groups * 2 * (2 if self.has_zero else 1)
 

@@ -1,10 +1,10 @@
 """Group quantizers and 4-bit packing, pure torch: THE reference every kernel is compared with.
 
 SPEC.md §3. Values are quantized in groups of g consecutive elements. Each group sends its codes
-plus fp16 parameters (a scale, and a zero-point for the asymmetric policies); codes are computed
-from the fp16-rounded parameters, so every receiver dequantizes exactly what the sender meant.
-All arithmetic is fp32, one rounding per operation (no fused multiply-add), round-half-to-even,
-IEEE division on every device (see _const).
+plus 16-bit parameter words (a scale word, and an fp16 zero-point for the asymmetric policies);
+codes are computed from the rounded parameters, so every receiver dequantizes exactly what the
+sender meant. All arithmetic is fp32, one rounding per operation (no fused multiply-add),
+round-half-to-even, IEEE division on every device (see _const).
 
 Policies (L = 2^b - 1, Q = 2^(b-1) - 1):
   symmetric   s = max|x| / Q            q = clip(rint(x/s), -Q, Q)      x^ = s * q
@@ -12,17 +12,35 @@ Policies (L = 2^b - 1, Q = 2^(b-1) - 1):
   zero_aware  as naive, with z = z_naive + lam*(rint(z_naive) - z_naive),
               lam = clamp(1 - d/s, 0, 1), d = distance from 0 to [lo, hi]
 
+The scale word (16 bits, sent where an fp16 would be; read it with `scale_value`):
+  * sign bit 0: the word is the fp16 scale. Every group whose step s lies in fp16's range of
+    steps [2^-24, 65504] uses it (the common case, with the same bits as before the tagged
+    form existed).
+  * sign bit 1: the low 15 bits are the bf16 bit pattern of the scale (bf16's 8-bit exponent:
+    steps in [2^-126, 2^126), which covers every finite fp32/bf16 group), for groups wider than
+    65504 * L or narrower than 2^-24 * L. The scale is always positive, so the sign bit is
+    free; the wire cost is unchanged (68 bytes per 128 values at 4 bits).
+  Either way the scale is rounded UP (the grid always covers [lo, hi]), so every finite group's
+  error is bounded by its own step, s/2 (+ the zero-point rounding below), at any magnitude.
+  The zero-point stays fp16 at every scale: it counts steps, and |z| <= Z_MAX + L.
+
 Edge cases, defined here once (kernels copy them):
   * Constant groups (lo == hi = v): s = |v| so that v is code 0 with z = -sign(v) (asymmetric) or
-    code sign(v) (symmetric); exact whenever |v| is an fp16 value. All-zero groups use s = 1.
+    code sign(v) (symmetric); exact whenever |v| is an fp16 value in [2^-24, 65504] or a bf16
+    value outside it (|v| > 2^126: s = |v|/4 and v is code 0 with z = -4 sign(v), or code
+    4 sign(v), so that every step is below 2^126 and 1/s a normal fp32). All-zero groups use
+    s = 1.
   * Far-from-zero groups: s is widened to at least d / Z_MAX so the zero-point magnitude stays
-    <= Z_MAX = 256, where fp16 holds it to within 1/16 of a step; the extra error is then bounded
-    by |lo| * 2^-9, below bf16's own rounding of the values.
-  * The scale is rounded UP to fp16 (the grid always covers [lo, hi]) and kept in
-    [2^-24, 65504]: groups narrower than 2^-24 * L get fp16's finest step (absolute error at most
-    2^-25, ~3e-8); groups wider than 65504 * L saturate at the largest step (values clip to the
-    grid ends; `range_report` counts such groups). Finite input never becomes inf or NaN.
-  * A group holding NaN or +-Inf gets a NaN scale: all its elements dequantize to NaN.
+    <= Z_MAX + L < 512 (Z_MAX = 256), where fp16 holds it to within half its ulp, 1/8 of a
+    step, at every scale; the extra error is then bounded by |lo| * 2^-9, below bf16's own
+    rounding of the values.
+  * Steps are at least 2^-126 (fp32's smallest normal): a group narrower than 2^-126 * L (fp32
+    subnormal values) has an absolute error of at most 2^-127.
+  * Groups whose width hi - lo overflows fp32 take s = hi/L - lo/L; decoded values, the owner
+    sum of the all-reduce and its output saturate at the largest finite value of their dtype
+    (`saturate`) instead of overflowing: finite input never becomes inf or NaN.
+  * A group holding NaN or +-Inf gets a NaN scale word (fp16 NaN 0x7E00, zero-point NaN): all
+    its elements dequantize to NaN.
 Codes: asymmetric q in [0, L]; symmetric q + 2^(b-1) in [1, 2^b - 1]. At b = 4 element 2t sits in
 the low nibble of byte t and element 2t+1 in the high nibble.
 """
@@ -38,11 +56,22 @@ Z_MAX = 256.0
 """Largest zero-point magnitude; far-from-zero groups widen their step to respect it."""
 FP16_MAX = 65504.0
 SCALE_MIN = 2.0 ** -24
-"""Smallest positive fp16 (subnormal) value: the finest step a group can have."""
+"""Smallest positive fp16 (subnormal) value: the finest step an fp16 scale word holds."""
+WIDE_MIN = 2.0 ** -126
+"""Smallest normal fp32/bf16 value: the finest step a bf16 scale word holds."""
+CONST_BIG = 2.0 ** 126
+"""Constant groups with |v| above this use s = |v|/4: every step stays below 2^126, so 1/s is
+a normal fp32 (what the kernels' division by a scale needs)."""
+F32_MAX = float(torch.finfo(torch.float32).max)
+BF16_TAG = 0x8000
+"""Sign bit of a scale word: set = the low 15 bits are a bf16 scale, clear = an fp16 scale."""
+NAN_WORD = 0x7E00
+"""The scale word of a group holding NaN/Inf: fp16's canonical NaN."""
 
 
 class Packet(NamedTuple):
-    """Quantized values, [..., n] -> codes [..., n*b/8] uint8, scale/zero [..., n/g] fp16."""
+    """Quantized values, [..., n] -> codes [..., n*b/8] uint8, scale words [..., n/g] (16-bit
+    words held as fp16 bits: read them with `scale_value`), zero [..., n/g] fp16."""
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -63,29 +92,69 @@ def round_up_fp16(s: torch.Tensor) -> torch.Tensor:
     return torch.where(below, bumped, s16)
 
 
-def group_params(xg: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """xg fp32 [..., G, g] -> (scale fp16 [..., G], zero fp16 [..., G] or None)."""
-    lo = xg.amin(dim=-1)
-    hi = xg.amax(dim=-1)
-    finite = torch.isfinite(lo) & torch.isfinite(hi)
-    constant = lo == hi
+def round_up_bf16_bits(s: torch.Tensor) -> torch.Tensor:
+    """fp32 [..] positive finite -> int32 [..]: bit pattern of the smallest bf16 >= s."""
+    return (s.view(torch.int32) + 0xFFFF) >> 16
+
+
+def scale_word(s: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+    """fp32 steps [..] (positive where finite) -> scale words [..] (fp16 bits, module docstring):
+    fp16 rounded up inside [SCALE_MIN, FP16_MAX], else BF16_TAG | bf16 rounded up (>= WIDE_MIN);
+    NAN_WORD where not finite."""
+    fits = (s >= SCALE_MIN) & (s <= FP16_MAX)
+    w16 = round_up_fp16(s.clamp(SCALE_MIN, FP16_MAX)).view(torch.int16)
+    wbf = (round_up_bf16_bits(s.clamp_min(WIDE_MIN)) - BF16_TAG).to(torch.int16)  # tag bit set
+    w = torch.where(fits, w16, wbf)
+    return torch.where(finite, w, torch.full_like(w, NAN_WORD)).view(torch.float16)
+
+
+def scale_value(word: torch.Tensor) -> torch.Tensor:
+    """Scale words [..] (fp16 bits) -> the fp32 steps they hold [..] (NaN for NAN_WORD)."""
+    w = word.view(torch.int16)
+    bf = ((w.to(torch.int32) & 0x7FFF) << 16).view(torch.float32)   # tagged: bf16 -> fp32
+    return torch.where(w < 0, bf, word.to(torch.float32))
+
+
+def clamp_finite(v: torch.Tensor) -> torch.Tensor:
+    """fp32 [..] -> [..] with +-inf saturated at +-F32_MAX (NaN stays NaN)."""
+    return v.clamp(-F32_MAX, F32_MAX)
+
+
+def saturate(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 [..] -> dtype [..], round to nearest even, values beyond dtype's finite range
+    saturated at its largest finite value (NaN stays NaN): the output cast of the all-reduce."""
+    big = torch.finfo(dtype).max
+    return v.clamp(-big, big).to(dtype)
+
+
+def _step(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """Group min, max fp32 [..] -> the fp32 step s [..] before rounding (module docstring);
+    meaningless where lo or hi is not finite."""
     if spec.quantizer == "symmetric":
         amax = torch.maximum(lo.abs(), hi.abs())
         s = amax / _const(amax, spec.qmax)
-        d = None
     else:
-        # d = distance from 0 to [lo, hi] (0 when the group straddles 0)
         d = torch.clamp_min(torch.maximum(lo, -hi), 0.0)
-        s = (hi - lo) / _const(lo, spec.levels)
+        width = hi - lo
+        lv = _const(lo, spec.levels)
+        s = torch.where(torch.isinf(width), hi / lv - lo / lv, width / lv)   # no overflow
         s = torch.maximum(s, d / Z_MAX)
-    s = torch.where(constant, lo.abs(), s)
-    s = torch.where(s == 0, torch.ones_like(s), s)
-    s = torch.where(finite, s.clamp(SCALE_MIN, FP16_MAX), torch.ones_like(s))
-    s16 = round_up_fp16(s)
-    s16 = torch.where(finite, s16, torch.full_like(s16, float("nan")))
+    v = lo.abs()
+    s = torch.where(lo == hi, torch.where(v > CONST_BIG, v * 0.25, v), s)   # constant group
+    return torch.where(s == 0, torch.ones_like(s), s)
+
+
+def group_params(xg: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """xg fp32 [..., G, g] -> (scale words [..., G] (fp16 bits), zero fp16 [..., G] or None)."""
+    lo = xg.amin(dim=-1)
+    hi = xg.amax(dim=-1)
+    finite = torch.isfinite(lo) & torch.isfinite(hi)
+    s = torch.where(finite, _step(lo, hi, spec), torch.ones_like(lo))
+    sw = scale_word(s, finite)
     if spec.quantizer == "symmetric":
-        return s16, None
-    sf = s16.to(torch.float32)
+        return sw, None
+    sf = scale_value(sw)
+    d = torch.clamp_min(torch.maximum(lo, -hi), 0.0)   # distance from 0 to [lo, hi]
     z_naive = -lo / sf
     if spec.quantizer == "zero_aware":
         z_round = torch.round(z_naive)
@@ -95,13 +164,14 @@ def group_params(xg: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch
         z = z_naive
     z = z + 0.0  # -0.0 -> +0.0: one zero-point byte pattern, however amin broke a +-0 tie
     z16 = torch.clamp(z, -FP16_MAX, FP16_MAX).to(torch.float16)
-    return s16, z16
+    return sw, z16
 
 
 def quantize_groups(xg: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
                     spec: QuantSpec) -> torch.Tensor:
-    """xg fp32 [..., G, g] with fp16 params [..., G] -> unpacked codes uint8 [..., G, g]."""
-    sf = scale.to(torch.float32).unsqueeze(-1)
+    """xg fp32 [..., G, g] with scale words, fp16 zeros [..., G] -> unpacked codes uint8
+    [..., G, g]."""
+    sf = scale_value(scale).unsqueeze(-1)
     if zero is None:
         q = torch.clamp(torch.round(xg / sf), -spec.qmax, spec.qmax) + (1 << (spec.bits - 1))
     else:
@@ -112,12 +182,13 @@ def quantize_groups(xg: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | 
 
 def dequantize_groups(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
                       spec: QuantSpec) -> torch.Tensor:
-    """codes uint8 [..., G, g] -> fp32 [..., G, g]: s * (q - z), or s * (q - 2^(b-1))."""
-    sf = scale.to(torch.float32).unsqueeze(-1)
+    """codes uint8 [..., G, g] -> fp32 [..., G, g]: s * (q - z), or s * (q - 2^(b-1)),
+    saturated at +-F32_MAX (a grid rounded up past fp32's largest value)."""
+    sf = scale_value(scale).unsqueeze(-1)
     q = codes.to(torch.float32)
     if zero is None:
-        return sf * (q - float(1 << (spec.bits - 1)))
-    return sf * (q - zero.to(torch.float32).unsqueeze(-1))
+        return clamp_finite(sf * (q - float(1 << (spec.bits - 1))))
+    return clamp_finite(sf * (q - zero.to(torch.float32).unsqueeze(-1)))
 
 
 def pack4(codes: torch.Tensor) -> torch.Tensor:
@@ -161,15 +232,16 @@ def quant_dequant(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
 
 
 def range_report(x: torch.Tensor, spec: QuantSpec) -> dict[str, int]:
-    """Counts of groups of x [..., n] at fp16's limits: 'saturated' (step clipped at 65504),
-    'floored' (step raised to 2^-24 on a non-constant group) and 'nonfinite' groups."""
+    """Counts of the groups of x [..., n] whose scale word leaves fp16's range of steps: 'wide'
+    (step above 65504: a bf16 scale word), 'tiny' (step below 2^-24: a bf16 scale word),
+    'floored' (step raised to 2^-126 on a non-constant group), and 'nonfinite' groups."""
     xg = _as_groups(x, spec)
     lo, hi = xg.amin(-1), xg.amax(-1)
     finite = torch.isfinite(lo) & torch.isfinite(hi)
-    width = torch.maximum(lo.abs(), hi.abs()) / spec.qmax if spec.quantizer == "symmetric" \
-        else (hi - lo) / spec.levels
-    return {"saturated": int((finite & (width > FP16_MAX)).sum()),
-            "floored": int((finite & (lo != hi) & (width < SCALE_MIN)).sum()),
+    s = _step(lo, hi, spec)
+    return {"wide": int((finite & (s > FP16_MAX)).sum()),
+            "tiny": int((finite & (s < SCALE_MIN)).sum()),
+            "floored": int((finite & (lo != hi) & (s < WIDE_MIN)).sum()),
             "nonfinite": int((~finite).sum())}
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..compensator import CompState, correction
+from ..compensator import CompState, apply_correction, correction
 from ..config import CompensatorConstants, EchoConfig
 from .qar import compensated_all_reduce, grad_scale, segment_len
 
@@ -74,7 +74,8 @@ def _call_scale(x, cfg, t, state, seg, spans) -> torch.Tensor:
     for c0, c1 in spans:
         xp = _gather(x, seg, c0, c1, P).to(torch.float32)
         if state is not None:
-            xp = xp + correction(_gather_state(state, seg, c0, c1, P), k).to(torch.float32)
+            xp = apply_correction(xp, correction(_gather_state(state, seg, c0, c1, P), k)
+                                  .to(torch.float32))
         peaks.append(xp.abs().amax(dim=-1))
     return grad_scale(torch.stack(peaks, dim=-1), t)
 

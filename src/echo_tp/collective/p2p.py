@@ -2,7 +2,7 @@
 
 Each rank owns one symmetric byte buffer per workspace (kernels/allreduce_kernels.Layout):
 receive slots for the segment packets its peers push, gather slots for the owners' reduced
-packets, and int64 readiness flags. Kernels store codes and fp16 parameters straight into the
+packets, and int64 readiness flags. Kernels store codes and 16-bit parameters straight into the
 peers' buffers (their addresses come from the symmetric-memory handle; NVLink multicast is never
 used) and signal per tile with flags whose values only grow (the call's epoch). Per call, on the
 current stream and without a host synchronization, either

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import envs, quant
-from ..compensator import CompState, correction, output_residual, update_
+from ..compensator import CompState, apply_correction, correction, output_residual, update_
 from ..config import CompensatorConstants, EchoConfig, QuantSpec
 
 GRAD_SCALE_TARGET = 2.0 ** 12
@@ -94,6 +94,8 @@ def qar(xq: torch.Tensor, spec: QuantSpec, t: Transport, codec=None) -> QAROut:
     acc = contrib[..., 0, :]
     for r in range(1, P):
         acc = acc + contrib[..., r, :]
+    own = t.own(xpad)                      # a finite own segment: an overflowed sum saturates
+    acc = torch.where(torch.isfinite(own), quant.clamp_finite(acc), acc)
     # 3. requantize once, all-gather, everyone (owner included) decodes the same codes
     gathered = t.all_gather(quant.to_bytes(codec.encode(acc, spec)))
     y32 = codec.decode(quant.from_bytes(gathered, seg, spec), spec)
@@ -104,7 +106,9 @@ def grad_scale(xp: torch.Tensor, t: Transport) -> torch.Tensor:
     """xp fp32 [*B, N] -> the group-shared power of two 2^e [*B, 1] (SPEC §5)."""
     local = xp.abs().amax(dim=-1) if xp.shape[-1] else xp.new_zeros(xp.shape[:-1])
     # NaN counts as +inf (a MAX reduction may drop NaN): either way the scale falls back to 1
-    amax = t.all_max(torch.nan_to_num(local, nan=float("inf")))
+    # (posinf too: nan_to_num's default would turn +inf into fp32 max, and the scale into 2^-100)
+    inf = float("inf")
+    amax = t.all_max(torch.nan_to_num(local, nan=inf, posinf=inf))
     ok = torch.isfinite(amax) & (amax > 0)
     e = torch.floor(torch.log2(GRAD_SCALE_TARGET / torch.where(ok, amax, torch.ones_like(amax))))
     e = torch.where(ok, e.clamp(-100, 100), torch.zeros_like(e))
@@ -141,14 +145,14 @@ def compensated_all_reduce(x: torch.Tensor, cfg: EchoConfig, t: Transport, *,
     n = x.shape[-1]
     xf = x.to(torch.float32)
     c = correction(state, k).to(torch.float32) if state is not None else None
-    xp = xf + c if c is not None else xf
+    xp = apply_correction(xf, c) if c is not None else xf
     f = (grad_scale(xp, t) if scale is None else scale) if backward and cfg.grad_scaling else None
     out = qar(xp * f if f is not None else xp, spec, t, codec)
     seg = out.y32.shape[-1]
     y32 = out.y32.reshape(*x.shape[:-1], P * seg)
     if f is not None:
         y32 = y32 * (1.0 / f)  # exact: 1/f is a power of two
-    y_pad = y32.to(x.dtype)
+    y_pad = quant.saturate(y32, x.dtype)      # finite input: a finite y
     y = y_pad[..., :n]
     rec = None
     if state is not None or record:

@@ -17,8 +17,9 @@ from collections.abc import Callable
 
 import torch
 
-from ..compensator import CompState, correction, output_residual, update_
+from ..compensator import CompState, apply_correction, correction, output_residual, update_
 from ..config import CompensatorConstants, EchoConfig
+from ..quant import saturate
 
 
 def unfused_output_compensated(all_reduce: Callable[[torch.Tensor], torch.Tensor],
@@ -29,7 +30,7 @@ def unfused_output_compensated(all_reduce: Callable[[torch.Tensor], torch.Tensor
     if cfg.residual != "output":
         raise ValueError("the unfused compensator implements residual='output' only")
     k = CompensatorConstants.from_config(cfg)
-    xp = x.to(torch.float32) + correction(state, k).to(torch.float32)
-    y = all_reduce(xp).to(x.dtype)
+    xp = apply_correction(x.to(torch.float32), correction(state, k).to(torch.float32))
+    y = saturate(all_reduce(xp), x.dtype)
     update_(state, output_residual(xp, y, world_size), k)
     return y

@@ -13,7 +13,7 @@ y and the compensator state are bit-identical). Per rank r, with P ranks, segmen
          the output residual). residual 'local': m1, m2 of the own segment are updated with
          s - y_own.
   tail   (grid tiles x P, or P-1 owners with OWN_Y)    wait gath[j][t]; decode;
-         y = cast(y32 [/ 2^e]); residual 'output': u = x' - y/P and the m1, m2 update.
+         y = cast(y32 [/ 2^e]) (saturating); residual 'output': u = x' - y/P and the m1, m2 update.
   reduce_tail: reduce and tail in one launch, the tails trailing the reduces by `lag` tiles
          (work items in ticket order); or the tail as a few persistent programs on a second
          stream beside the reduce (tail_loop_kernel); as measured fastest (p2p.overlap_mode).
@@ -38,9 +38,9 @@ from .. import envs
 from ..compensator import CompState
 from ..config import CompensatorConstants, EchoConfig, QuantSpec
 from .flags import gated, signal, wait_geq
-from .quant_kernels import (DTYPE_KIND, HW_FORMS, LAUNCH_OPTS, _cast_out, _codes, _dequant,
-                            _group_params, _load_codes, _load_f32, _store_codes,
-                            spec_constexprs)
+from .quant_kernels import (DTYPE_KIND, F32_MAX, HW_FORMS, LAUNCH_OPTS, _cast_sat, _codes,
+                            _dequant, _group_params, _load_codes, _load_f32, _sat, _sat_out,
+                            _store_codes, _word_scale, spec_constexprs)
 
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 """Compensator state dtypes the kernels read and write (EchoConfig.state_dtype)."""
@@ -58,7 +58,8 @@ STEP_ELEMS = 2048
 @triton.jit
 def _x_prime(x_ptr, m1_ptr, m2_ptr, e, emask, eta, a, oma, X_KIND: tl.constexpr,
              COMP: tl.constexpr):
-    """x' = x + (m1*a + m2*(1-a))*eta at element ids e (masked lanes 0) -> (x', m1, m2)."""
+    """x' = x + (m1*a + m2*(1-a))*eta at element ids e (masked lanes 0) -> (x', m1, m2);
+    x' of a finite x saturates at +-fp32 max (compensator.apply_correction)."""
     x = _load_f32(x_ptr + e, emask, X_KIND)
     if COMP:
         m1 = _load_state(m1_ptr + e, emask)
@@ -67,6 +68,7 @@ def _x_prime(x_ptr, m1_ptr, m2_ptr, e, emask, eta, a, oma, X_KIND: tl.constexpr,
         else:
             m2 = _load_state(m2_ptr + e, emask)
         xp = x + (m1 * a + m2 * oma) * eta
+        xp = tl.where(tl.abs(x) <= F32_MAX, _sat(xp, F32_MAX), xp)
     else:
         m1 = x
         m2 = x
@@ -101,25 +103,34 @@ def _load_state(ptr, mask):
 
 @triton.jit
 def _store_state(ptr, v, mask):
-    """fp32 values into the state: as is, or rounded once to bf16 (RNE)."""
+    """fp32 values into the state: as is, or rounded once to bf16 (RNE, saturating)."""
     if ptr.dtype.element_ty == tl.bfloat16:
-        tl.store(ptr, _cast_out(v, 2), mask=mask)
+        tl.store(ptr, _cast_sat(v, 2), mask=mask)
     else:
         tl.store(ptr, v, mask=mask)
 
 
 @triton.jit
 def _update(m1_ptr, m2_ptr, e, emask, m1, m2, u, b1, omb1, b2, omb2):
-    """m1 = m1*beta1 + u*(1-beta1); m2 = m2*beta2 + u*(1-beta2) at element ids e (one store
-    when m2 is m1: beta1 == beta2 makes both updates the same value)."""
-    _store_state(m1_ptr + e, m1 * b1 + u * omb1, emask)
+    """m1 = m1*beta1 + u*(1-beta1); m2 = m2*beta2 + u*(1-beta2) at element ids e, 0 where the
+    new value is not finite (compensator.update_; one store when m2 is m1: beta1 == beta2
+    makes both updates the same value)."""
+    _store_state(m1_ptr + e, _finite_or_0(m1 * b1 + u * omb1), emask)
     if m2_ptr.to(tl.int64) != m1_ptr.to(tl.int64):
-        _store_state(m2_ptr + e, m2 * b2 + u * omb2, emask)
+        _store_state(m2_ptr + e, _finite_or_0(m2 * b2 + u * omb2), emask)
+
+
+@triton.jit
+def _finite_or_0(v):
+    """v fp32 with NaN and +-Inf replaced by 0 (the state never holds a non-finite value)."""
+    return tl.where(tl.abs(v) <= F32_MAX, v, 0.0)
 
 
 @triton.jit
 def _as_f32_of_out(v, X_KIND: tl.constexpr):
-    """fp32 value of cast(v) in the output dtype (what y.to(float32) reads back)."""
+    """fp32 value of the saturating cast of v to the output dtype (what y.to(float32) reads
+    back)."""
+    v = _sat_out(v, X_KIND)
     if X_KIND == 2:
         if HW_FORMS:
             out = v.to(tl.bfloat16).to(tl.float32)
@@ -147,11 +158,12 @@ def _buffer(table_ptr, rank):
 
 
 @triton.jit
-def _store_packet(dst, scale_off, zero_off, grp, gmask, q, s16, z16, GS: tl.constexpr,
+def _store_packet(dst, scale_off, zero_off, grp, gmask, q, sw, z16, GS: tl.constexpr,
                   BITS: tl.constexpr, BG: tl.constexpr, QUANT: tl.constexpr):
-    """Write one tile (groups grp) of a packet into the slot at dst: codes | scale | zero."""
+    """Write one tile (groups grp) of a packet into the slot at dst: codes | scale words (int16)
+    | fp16 zeros."""
     _store_codes(dst, grp, q, gmask, GS, BITS, BG)
-    tl.store((dst + scale_off).to(tl.pointer_type(tl.float16)) + grp, s16, mask=gmask)
+    tl.store((dst + scale_off).to(tl.pointer_type(tl.int16)) + grp, sw, mask=gmask)
     if QUANT != 2:
         tl.store((dst + zero_off).to(tl.pointer_type(tl.float16)) + grp, z16, mask=gmask)
 
@@ -161,8 +173,8 @@ def _decode_slot(src, scale_off, zero_off, grp, gmask, GS: tl.constexpr, BITS: t
                  BG: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr):
     """One tile of the packet in the slot at src -> fp32 [BG, GS]."""
     q = _load_codes(src, grp, gmask, GS, BITS, BG)
-    sf = tl.load((src + scale_off).to(tl.pointer_type(tl.float16)) + grp, mask=gmask,
-                 other=1.0, cache_modifier=".cg").to(tl.float32)
+    sf = _word_scale(tl.load((src + scale_off).to(tl.pointer_type(tl.int16)) + grp, mask=gmask,
+                             other=0x3C00, cache_modifier=".cg"))         # masked lanes: 1.0
     if QUANT == 2:
         zf = sf
     else:
@@ -216,9 +228,9 @@ def _entry_tile(t, j, ep, x_ptr, m1_ptr, m2_ptr, fs_ptr, table_ptr,
         grp, gmask, e, emask = _step_ids(t, c, j, seg, groups, n, BG, SG, GS)
         xp, m1, m2, xs, f = _x_scaled(x_ptr, m1_ptr, m2_ptr, fs_ptr, e, emask, eta, a, oma,
                                       X_KIND, COMP, SCALED)
-        s16, sf, z16, zf, finite = _group_params(xs, QUANT, LEVELS, QMAX)
+        sw, sf, z16, zf, finite = _group_params(xs, QUANT, LEVELS, QMAX)
         q = _codes(xs, sf, zf, finite, QUANT, LEVELS, QMAX)
-        _store_packet(peer + _slot(RANK, slot), scale_off, zero_off, grp, gmask, q, s16, z16,
+        _store_packet(peer + _slot(RANK, slot), scale_off, zero_off, grp, gmask, q, sw, z16,
                       GS, BITS, SG, QUANT)                 # peer j's receive slot of RANK
         if LOCAL:
             err = xs - _dequant(q, sf, zf, QUANT, QMAX)    # x'_j - decode(encode(x'_j))
@@ -264,12 +276,13 @@ def _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, table_ptr,
                 acc = v
             else:
                 acc = acc + v
-        s16, sf, z16, zf, finite = _group_params(acc, QUANT, LEVELS, QMAX)
+        acc = tl.where(tl.abs(xs) <= F32_MAX, _sat(acc, F32_MAX), acc)  # finite own x': no
+        sw, sf, z16, zf, finite = _group_params(acc, QUANT, LEVELS, QMAX)   # overflowed sum
         q = _codes(acc, sf, zf, finite, QUANT, LEVELS, QMAX)
         pmask = gated(gmask, ok)
         for i in tl.static_range(P):                       # own slot last
             dst = _buffer(table_ptr, (RANK + 1 + i) % P) + _slot(P + RANK, slot)
-            _store_packet(dst, scale_off, zero_off, grp, pmask, q, s16, z16, GS, BITS, SG,
+            _store_packet(dst, scale_off, zero_off, grp, pmask, q, sw, z16, GS, BITS, SG,
                           QUANT)
         if LOCAL or OWN_Y:
             y32 = _dequant(q, sf, zf, QUANT, QMAX)         # = decode of the packet just sent
@@ -277,7 +290,7 @@ def _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, table_ptr,
                 inv = tl.math.div_rn(tl.full([], 1.0, tl.float32), f)
                 y32 = y32 * inv
             if OWN_Y:
-                tl.store(y_ptr + e, _cast_out(y32, X_KIND), mask=gated(emask, ok))
+                tl.store(y_ptr + e, _cast_sat(y32, X_KIND), mask=gated(emask, ok))
             if LOCAL:
                 if SCALED:
                     u = acc * inv - _as_f32_of_out(y32, X_KIND)
@@ -319,7 +332,7 @@ def _tail_tile(t, j, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, table_ptr,
         if SCALED:
             y32 = y32 * tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.load(fs_ptr))
         if not UPDATE_ONLY:
-            tl.store(y_ptr + e, _cast_out(y32, X_KIND), mask=emask)
+            tl.store(y_ptr + e, _cast_sat(y32, X_KIND), mask=emask)
         if OUTPUT:
             xp, m1, m2 = _x_prime(x_ptr, m1_ptr, m2_ptr, e, emask, eta, a, oma, X_KIND, COMP)
             yf = _as_f32_of_out(y32, X_KIND)
@@ -535,7 +548,8 @@ def _align(v: int, a: int) -> int:
 class Layout:
     """One rank's buffer: receive slots [P(sender)], gather slots [P(owner)], then int64 flags
     recv [P][tiles], gath [P][tiles] and the abort word. A slot holds one segment packet:
-    codes at 0, fp16 scales at scale_off, fp16 zeros at zero_off (16-byte aligned regions)."""
+    codes at 0, 16-bit scale words at scale_off, fp16 zeros at zero_off (16-byte aligned
+    regions)."""
 
     world_size: int
     seg: int

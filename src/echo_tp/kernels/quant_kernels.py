@@ -17,8 +17,13 @@ Exactness rules every helper follows (quant.py's docstring is the authority):
     operations under the interpreter, which truncates); bf16 -> fp32 by a shift; fp16
     conversions use tl's RNE casts;
   * negation is `v * -1.0` (Triton's unary minus is `0 - v`, which loses the sign of zero);
-  * NaN/Inf groups: scale and zero are the canonical fp16 NaN 0x7E00 (torch's NaN bit pattern
-    depends on the device and the input NaN; only NaN-ness is part of the contract), codes 0.
+  * scale words (quant.scale_word: fp16, or BF16_TAG | bf16) are handled as int16 only, stored
+    and loaded through int16 pointers: no float operation ever sees a word's bits;
+  * NaN/Inf groups: the scale word is the canonical fp16 NaN 0x7E00 (as quant.NAN_WORD), the
+    zero-point that NaN too (torch's NaN bit pattern depends on the device and the input NaN;
+    only NaN-ness is part of the zero-point's contract), codes 0;
+  * saturation (quant.clamp_finite / quant.saturate) compares and selects, so NaN passes and
+    the interpreter (numpy min/max propagate NaN) and compiled code (PTX min/max drop it) agree.
   * quant.py divides by 0-dim tensors (IEEE on every device; torch on CUDA would turn a Python
     scalar divisor into a reciprocal multiply), so every division here is div_rn too.
 """
@@ -40,6 +45,10 @@ KIND_F32, KIND_F16, KIND_BF16 = 0, 1, 2
 DTYPE_KIND = {torch.float32: KIND_F32, torch.float16: KIND_F16, torch.bfloat16: KIND_BF16}
 LAUNCH_OPTS = dict(enable_fp_fusion=False)
 """Every kernel of this package launches with these options (no FMA contraction)."""
+
+F32_MAX: tl.constexpr = 3.4028234663852886e38
+BF16_MAX: tl.constexpr = 3.3895313892515355e38
+"""Largest finite fp32 and bf16 values (fp16: 65504), the saturation bounds."""
 
 HW_FORMS = tl.constexpr(not getattr(knobs.runtime, "interpret", False))
 """Compiled kernels round fp32 -> bf16 with the conversion instruction, divide by a group scale
@@ -76,7 +85,8 @@ def _rint(v):
 
 @triton.jit
 def _div_by_scale(x, sf):
-    """x [BG, GS] / sf [BG] (sf a positive fp16 value as fp32), IEEE round to nearest.
+    """x [BG, GS] / sf [BG] (sf the value of a finite scale word, in [2^-126, 2^126) so that
+    1/sf is a normal fp32), IEEE round to nearest.
 
     Compiled: the instruction sequence the GPU's own `div.rn.f32` runs on its fast path, with
     the reciprocal refined once per group instead of once per value (3 FMAs per value instead of
@@ -126,6 +136,30 @@ def _load_f32(ptr, mask, X_KIND: tl.constexpr):
 
 
 @triton.jit
+def _sat(v, BIG: tl.constexpr):
+    """v fp32 with values beyond +-BIG set to +-BIG (NaN passes: compare and select)."""
+    return tl.where(v > BIG, BIG, tl.where(v < BIG * -1.0, BIG * -1.0, v))
+
+
+@triton.jit
+def _sat_out(v, X_KIND: tl.constexpr):
+    """v fp32 saturated at the output dtype's largest finite value (quant.saturate's clamp)."""
+    if X_KIND == 2:
+        out = _sat(v, BF16_MAX)
+    elif X_KIND == 1:
+        out = _sat(v, 65504.0)
+    else:
+        out = _sat(v, F32_MAX)
+    return out
+
+
+@triton.jit
+def _cast_sat(v, X_KIND: tl.constexpr):
+    """fp32 -> the output dtype, saturating (quant.saturate): finite v, finite result."""
+    return _cast_out(_sat_out(v, X_KIND), X_KIND)
+
+
+@triton.jit
 def _cast_out(v, X_KIND: tl.constexpr):
     """fp32 -> the output dtype, round to nearest even (bf16 by bit arithmetic)."""
     if X_KIND == 2:
@@ -150,10 +184,34 @@ def _nan16(like):
 
 
 @triton.jit
+def _scale_word(s, finite):
+    """fp32 steps s [BG] (positive; 1.0 where not finite) -> scale words int16 [BG]
+    (quant.scale_word): the fp16 rounded up inside [2^-24, 65504], else 0x8000 | the bf16
+    rounded up (>= 2^-126); 0x7E00 where not finite."""
+    fits = (s >= 5.9604644775390625e-08) & (s <= 65504.0)
+    sc = tl.minimum(tl.maximum(s, 5.9604644775390625e-08), 65504.0)
+    s16 = sc.to(tl.float16)
+    bumped = (s16.to(tl.int16, bitcast=True) + 1).to(tl.int16).to(tl.float16, bitcast=True)
+    s16 = tl.where(s16.to(tl.float32) < sc, bumped, s16)  # round UP to fp16
+    sb = tl.maximum(s, 1.1754943508222875e-38)             # >= 2^-126
+    cb = (sb.to(tl.int32, bitcast=True) + 0xFFFF) >> 16     # bf16 bits, rounded UP
+    w = tl.where(fits, s16.to(tl.int16, bitcast=True).to(tl.int32), cb - 32768)  # tag: bit 15
+    w = tl.where(finite, w, 0x7E00)
+    return w.to(tl.int16)
+
+
+@triton.jit
+def _word_scale(w):
+    """Scale words int16 [BG] -> their fp32 steps [BG] (quant.scale_value; NaN for 0x7E00)."""
+    bf = ((w.to(tl.int32) & 0x7FFF) << 16).to(tl.float32, bitcast=True)   # tagged: bf16
+    return tl.where(w < 0, bf, w.to(tl.float16, bitcast=True).to(tl.float32))
+
+
+@triton.jit
 def _group_params(x, QUANT: tl.constexpr, LEVELS: tl.constexpr, QMAX: tl.constexpr,
 ):
-    """x fp32 [BG, GS] -> (s16 [BG] fp16, sf [BG] fp32, z16 [BG] fp16, zf [BG] fp32,
-    finite [BG] bool, d [BG]); the zero outputs are unused for the symmetric policy."""
+    """x fp32 [BG, GS] -> (scale words int16 [BG], sf [BG] fp32, z16 [BG] fp16, zf [BG] fp32,
+    finite [BG] bool); the zero outputs are unused for the symmetric policy."""
     if HW_FORMS:                                         # NaN in the group -> lo, hi NaN
         lo = tl.reduce(x, 1, _min_nan)
         hi = tl.reduce(x, 1, _max_nan)
@@ -167,18 +225,18 @@ def _group_params(x, QUANT: tl.constexpr, LEVELS: tl.constexpr, QMAX: tl.constex
         amax = tl.maximum(tl.abs(lo), tl.abs(hi))
         s = _div(amax, QMAX)
     else:
-        s = _div(hi - lo, LEVELS)
+        width = hi - lo
+        s = tl.where(width > F32_MAX, _div(hi, LEVELS) - _div(lo, LEVELS),
+                     _div(width, LEVELS))                # a width past fp32: no overflow
         s = tl.maximum(s, d * 0.00390625)              # d / Z_MAX, Z_MAX = 256 (exact)
-    s = tl.where(lo == hi, tl.abs(lo), s)              # constant group: s = |v|
-    s = tl.where(s == 0.0, 1.0, s)                     # all-zero group
-    s = tl.minimum(tl.maximum(s, 5.9604644775390625e-08), 65504.0)   # [2^-24, fp16 max]
+    v = tl.abs(lo)
+    s = tl.where(lo == hi, tl.where(v > 8.507059173023462e37, v * 0.25, v), s)  # constant:
+    s = tl.where(s == 0.0, 1.0, s)                     # |v| (|v|/4 above 2^126); all-zero: 1
     s = tl.where(finite, s, 1.0)
-    s16 = s.to(tl.float16)
-    bumped = (s16.to(tl.int16, bitcast=True) + 1).to(tl.int16).to(tl.float16, bitcast=True)
-    s16 = tl.where(s16.to(tl.float32) < s, bumped, s16)   # round UP to fp16
-    sf = s16.to(tl.float32)
+    sw = _scale_word(s, finite)
+    sf = _word_scale(sw)
     if QUANT == 2:
-        z16 = s16
+        z16 = sw.to(tl.float16, bitcast=True)          # unused
     else:
         zn = tl.math.div_rn(lo * -1.0, sf)             # z_naive = -lo / s
         if QUANT == 0:
@@ -190,8 +248,7 @@ def _group_params(x, QUANT: tl.constexpr, LEVELS: tl.constexpr, QMAX: tl.constex
         z = z + 0.0                                     # -0.0 -> +0.0, as quant.py
         z16 = tl.minimum(tl.maximum(z, -65504.0), 65504.0).to(tl.float16)
         z16 = tl.where(finite, z16, _nan16(z16))
-    s16 = tl.where(finite, s16, _nan16(s16))
-    return s16, s16.to(tl.float32), z16, z16.to(tl.float32), finite
+    return sw, sf, z16, z16.to(tl.float32), finite
 
 
 @triton.jit
@@ -220,13 +277,14 @@ def _code_f32(q):
 
 @triton.jit
 def _dequant(q, sf, zf, QUANT: tl.constexpr, QMAX: tl.constexpr):
-    """codes uint8 [BG, GS], fp32 params [BG] -> fp32 [BG, GS]: s * (q - z)."""
+    """codes uint8 [BG, GS], fp32 params [BG] -> fp32 [BG, GS]: s * (q - z), saturated at
+    +-fp32 max (quant.dequantize_groups)."""
     qf = _code_f32(q)
     if QUANT == 2:
         out = sf[:, None] * (qf - (QMAX + 1.0))
     else:
         out = sf[:, None] * (qf - zf[:, None])
-    return out
+    return _sat(out, F32_MAX)
 
 
 @triton.jit
@@ -257,8 +315,11 @@ def _load_codes(ptr, grp, mask, GS: tl.constexpr, BITS: tl.constexpr, BG: tl.con
 
 @triton.jit
 def _load_params(scale_ptr, zero_ptr, grp, mask, QUANT: tl.constexpr):
-    """fp16 scale (and zero) of groups grp [BG] -> fp32 (sf, zf)."""
-    sf = tl.load(scale_ptr + grp, mask=mask, other=1.0, cache_modifier=".cg").to(tl.float32)
+    """Scale word (fp16-sized, at scale_ptr) and fp16 zero of groups grp [BG] -> fp32 (sf, zf)
+    (masked lanes: 1.0, 0.0)."""
+    w = tl.load(scale_ptr.to(tl.pointer_type(tl.int16)) + grp, mask=mask, other=0x3C00,
+                cache_modifier=".cg")
+    sf = _word_scale(w)
     if QUANT == 2:
         zf = sf
     else:
@@ -273,15 +334,16 @@ def quantize_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, n_groups,
                     X_KIND: tl.constexpr, BG: tl.constexpr, GS: tl.constexpr,
                     BITS: tl.constexpr, QUANT: tl.constexpr, LEVELS: tl.constexpr,
                     QMAX: tl.constexpr):
-    """x [n_groups*GS] -> codes (packed at 4 bits), fp16 scale [n_groups], zero [n_groups]."""
+    """x [n_groups*GS] -> codes (packed at 4 bits), scale words [n_groups] (fp16-sized),
+    fp16 zero [n_groups]."""
     grp = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG)     # group ids [BG]
     gmask = grp < n_groups
     offs = grp[:, None] * GS + tl.arange(0, GS)[None, :]            # element ids [BG, GS]
     x = _load_f32(x_ptr + offs, gmask[:, None], X_KIND)
-    s16, sf, z16, zf, finite = _group_params(x, QUANT, LEVELS, QMAX)
+    sw, sf, z16, zf, finite = _group_params(x, QUANT, LEVELS, QMAX)
     q = _codes(x, sf, zf, finite, QUANT, LEVELS, QMAX)
     _store_codes(codes_ptr, grp, q, gmask, GS, BITS, BG)
-    tl.store(scale_ptr + grp, s16, mask=gmask)
+    tl.store(scale_ptr.to(tl.pointer_type(tl.int16)) + grp, sw, mask=gmask)
     if QUANT != 2:
         tl.store(zero_ptr + grp, z16, mask=gmask)
 
@@ -290,7 +352,7 @@ def quantize_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, n_groups,
 def dequantize_kernel(codes_ptr, scale_ptr, zero_ptr, out_ptr, n_groups,
                       BG: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr,
                       QUANT: tl.constexpr, QMAX: tl.constexpr):
-    """codes, fp16 scale/zero -> fp32 out [n_groups*GS] = s * (q - z)."""
+    """codes, scale words, fp16 zero -> fp32 out [n_groups*GS] = s * (q - z)."""
     grp = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG)
     gmask = grp < n_groups
     q = _load_codes(codes_ptr, grp, gmask, GS, BITS, BG)
