@@ -40,6 +40,8 @@ def test_readme_opens_with_the_two_commands():
 @pytest.mark.parametrize("index", range(len(python_blocks())))
 def test_readme_python_block_runs(index, tmp_path):
     code = python_blocks()[index]
+    if "path/to/hf_dir" in code:
+        _tiny_checkpoint(tmp_path / "path" / "to" / "hf_dir")
     script = tmp_path / f"block{index}.py"
     script.write_text(code)
     env = dict(os.environ, PYTHONPATH=str(README.parent / "src"), OMP_NUM_THREADS="1")
@@ -52,6 +54,15 @@ def test_readme_python_block_runs(index, tmp_path):
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, f"README block {index} failed:\n{code}\n{proc.stderr[-3000:]}"
+
+
+def _tiny_checkpoint(path: Path) -> None:
+    """A random 2-layer Llama (transformers' own classes) saved as an HF checkpoint dir."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    LlamaForCausalLM(cfg).save_pretrained(path)
 
 
 def _plain_sums(rank, world, xs):

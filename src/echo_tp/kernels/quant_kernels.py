@@ -46,8 +46,8 @@ DTYPE_KIND = {torch.float32: KIND_F32, torch.float16: KIND_F16, torch.bfloat16: 
 LAUNCH_OPTS = dict(enable_fp_fusion=False)
 """Every kernel of this package launches with these options (no FMA contraction)."""
 
-F32_MAX: tl.constexpr = 3.4028234663852886e38
-BF16_MAX: tl.constexpr = 3.3895313892515355e38
+F32_MAX = tl.constexpr(3.4028234663852886e38)
+BF16_MAX = tl.constexpr(3.3895313892515355e38)
 """Largest finite fp32 and bf16 values (fp16: 65504), the saturation bounds."""
 
 HW_FORMS = tl.constexpr(not getattr(knobs.runtime, "interpret", False))
@@ -97,6 +97,12 @@ def _div_by_scale(x, sf):
     tests/test_kernels_gpu.py checks it against torch's division for every positive fp16 s.
     Interpreted: tl.math.div_rn."""
     if HW_FORMS:
+        # Tiny steps (tagged words below fp16's 2^-24): x and s times 2^64, exactly, so that
+        # no dividend or residual below is subnormal (the fast path's range; the quotient is
+        # the same real number, so IEEE rounds it the same). |x| <= (L + 2 Z_MAX) s there.
+        f = tl.where(sf < 5.9604644775390625e-08, 18446744073709551616.0, 1.0)   # [BG]
+        sf = sf * f
+        x = x * f[:, None]
         r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [sf],
                                       dtype=tl.float32, is_pure=True, pack=1)
         nb = sf * -1.0
@@ -137,8 +143,9 @@ def _load_f32(ptr, mask, X_KIND: tl.constexpr):
 
 @triton.jit
 def _sat(v, BIG: tl.constexpr):
-    """v fp32 with values beyond +-BIG set to +-BIG (NaN passes: compare and select)."""
-    return tl.where(v > BIG, BIG, tl.where(v < BIG * -1.0, BIG * -1.0, v))
+    """v fp32 with values beyond +-BIG set to +-BIG, NaN passing (min/max with NaN
+    propagation: two instructions compiled, numpy's clip interpreted)."""
+    return tl.clamp(v, BIG * -1.0, BIG, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
