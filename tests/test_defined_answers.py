@@ -30,6 +30,33 @@ from harness import run_ranks
 
 HERE = os.path.dirname(__file__)
 
+def _capture_worker(rank, world_size):
+    """A new signature under (pretended) CUDA graph capture raises; after one eager call the
+    same signature runs under capture (no check left to run), a new one raises again."""
+    comm = EchoCommunicator.from_group(None, EchoConfig(bits=4))
+    real = (torch.cuda.is_available, torch.cuda.is_current_stream_capturing)
+    out = []
+
+    def capturing(on):
+        torch.cuda.is_available = (lambda: True) if on else real[0]
+        torch.cuda.is_current_stream_capturing = (lambda: True) if on else real[1]
+    for numel, on in ((512, True), (512, False), (512, True), (1024, True)):
+        capturing(on)
+        try:
+            comm.all_reduce(torch.ones(numel))
+            out.append("ran")
+        except RuntimeError as e:
+            out.append("graph capture" in str(e) and "warm-up" in str(e))
+        finally:
+            capturing(False)
+    return out
+
+
+def test_first_call_of_a_signature_inside_graph_capture_is_refused_by_name():
+    for got in run_ranks(2, _capture_worker):
+        assert got == [True, "ran", "ran", True]
+
+
 # ----- 1. ranks that disagree ---------------------------------------------------------------
 MISMATCH_CASES = [  # (name, rank-0 call, rank-1 call): (numel, dtype, bits, direction)
     ("numel 1000 vs 1024, same segment", (1024, "float32", 4, "forward"),

@@ -188,6 +188,12 @@ class EchoCommunicator:
         sig = (flat.shape[-1], DTYPES.index(flat.dtype), cfg.bits, DIRECTIONS.index(direction))
         if sig in self._checked:
             return
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"echo-tp: the first call of signature (numel, dtype, bits, direction) = {sig} "
+                "is inside CUDA graph capture; its once-per-signature check across ranks needs "
+                "a collective and a host read. Make one eager call of each signature before "
+                "capturing (the usual warm-up).")
         if self._check_transport is None:
             self._check_transport = DistTransport(self.group)
         check_same_call(sig, self._check_transport, flat.device)
