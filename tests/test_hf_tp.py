@@ -10,6 +10,10 @@ layer), Mixtral (fused experts)):
   norm (tp.grad_norm, rtol 1e-5) and the weights tp.full_state_dict gathers back (bit for
   bit). Tolerance: logits atol 1e-5 (values O(1)), grads atol 2e-6 + rtol 1e-4: TP sums the same fp32 products in
   another grouping; a wrong slice, head or missing all-reduce is off by O(1).
+- bf16: a TP group of one (simulated P=1, 16 bits) returns transformers' own bf16 logits bit for
+  bit (the sites and pass hooks change nothing), and simulated TP=2 at 16 bits in bf16 stays as
+  close to the fp32 logits as the unsharded bf16 model (bf16 rounds the shards' partial sums
+  in another grouping: at most 2x the unsharded model's own bf16 error, plus one bf16 ulp).
 - 2 gloo ranks: 16 bits vs unsharded (same tolerances), and at Echo 4 bits (early8 policy for
   one family) bit for bit against the simulated run: logits, gradients, greedy tokens.
 - Echo 4-bit vs uncompensated 4-bit relative logit deviation from 16 bits (P=4 simulated, 8
@@ -161,6 +165,24 @@ def test_simulated_matches_unsharded_at_16_bits(name):
         gathered = full_state_dict(model)  # the shards put back where they came from
         assert set(gathered) == set(whole), name
         assert all(torch.equal(gathered[k], w) for k, w in whole.items()), name
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_bf16_matches_transformers_bf16(name):
+    x = tokens()
+    with torch.no_grad():
+        want32 = build(name)(x).logits
+        want = build(name).to(torch.bfloat16)(x).logits
+        one = build(name).to(torch.bfloat16)
+        parallelize_hf(one, SimulatedCommunicator(1, EchoConfig(bits=16)))
+        assert torch.equal(one(x).logits, want), name
+        two = build(name).to(torch.bfloat16)
+        parallelize_hf(two, SimulatedCommunicator(2, EchoConfig(bits=16)))
+        got = two(x).logits
+    own_err = (want.float() - want32).abs().max()
+    tp_err = (got.float() - want32).abs().max()
+    ulp = want32.abs().max() * 2.0 ** -8
+    assert tp_err <= 2 * own_err + ulp, (name, float(tp_err), float(own_err))
 
 
 def _worker(rank, world_size, ckpt):
