@@ -1,127 +1,82 @@
 """All-reduce latency at P GPUs: NCCL 16-bit vs the reference (two NCCL collectives) vs p2p.
 
-    python benchmarks/allreduce.py --world 4 --out out/           # spawns 4 NCCL ranks
+    python benchmarks/allreduce.py --world 4 --out out/ [--methods nccl16,p2p4,auto4c]
 
-Per message size (bf16 bytes per GPU) and method: warm-up, then `iters` back-to-back calls
-(at least 300 up to 4 MiB) each bracketed by CUDA events; the median per rank, the max over
-ranks reported. Methods: nccl16 (dist.all_reduce, in place), oneshot16 (the 16-bit one-shot kernel, in place, small
-sizes), ref4/ref8 (reference backend, uncompensated), p2p8/p2p4 (uncompensated, the backend's
-choice of fused or stage kernels), p2p4-staged (always the three stage kernels), p2p4c-out /
-p2p4c-loc (4-bit compensated, residual output / local; -staged: three kernels; -bf16: bf16
-compensator state; -single: beta1 = beta2 = 0, one state tensor), p2p4c-out-unfused (the
-compensator as separate torch ops around the uncompensated p2p call, on fp32 x'), p2p4-graph
-(p2p4 replayed from a CUDA graph, small sizes), auto4 / auto4c / auto4c-fp32
-(EchoCommunicator with backend='auto': 4-bit uncompensated / the default compensated config,
-one bf16 state tensor / the paper's fp32 two-timescale pair, local residual; in place like
-nccl16: what a TP layer gets, the dispatch picking one-shot, p2p or the plain bf16 all-reduce
-per size). The p2p4c methods use eta 0.75 and, unless -single, the paper's betas 0.7/0.3.
-Bus bandwidth uses bf16-equivalent bytes: 2 (P-1)/P * bytes / time (the nccl-tests
-convention).
-Suffixes: '@...' a p2p launch shape (ppsK, wK, tK, sK; d0 = output-residual update inside the
-call instead of deferred to a side stream; o0 = reduce then tail, o1 = overlapped in one
-launch, o2 = the tail on a second stream beside the reduce; lK = tails K tiles behind the
-reduces; gK = K persistent tail programs per SM with o2); '+mm' each call preceded by a bf16
-matmul with an output of the message's size, the matmul's own time subtracted (the paper's
-timing of the fused output residual, whose deferred update runs beside that matmul); +mm rows
-compare with nccl16+mm.
-Writes allreduce_P{P}.json and allreduce_P{P}.md to --out.
+Per message size (bf16 bytes per GPU) and method: warm-up, then `iters` back-to-back calls (at
+least 300 up to 4 MiB) each bracketed by CUDA events; the median per rank, the max over ranks
+reported. Methods are the named rows of METHODS below (what each runs, its config, and for p2p
+the kernel form and overlap, forced or as routed). Bus bandwidth uses bf16-equivalent bytes:
+2 (P-1)/P * bytes / time (the nccl-tests convention). Writes allreduce_P{P}.json/.md/.png.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import socket
 import statistics
 import time
 import traceback
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from common import median_ms, spawn_nccl
+
+from echo_tp.config import EchoConfig
 
 MB = 1 << 20
 SIZES = [64 << 10, 256 << 10, MB, 4 * MB, 16 * MB, 64 * MB, 128 * MB, 256 * MB, 512 * MB,
          1024 * MB]
-METHODS = ("nccl16", "oneshot16", "ref4", "p2p8", "p2p4", "p2p4-staged", "p2p4c-out",
-           "p2p4c-out-unfused", "p2p4c-loc", "p2p4c-loc-staged", "p2p4-graph", "auto4",
-           "auto4c", "auto4c-fp32")
-ONESHOT_MAX_BYTES = 64 * MB
-"""oneshot16 (the 16-bit one-shot kernel) is timed up to this size."""
-GRAPH_MAX_BYTES = 64 * MB
-"""p2p4-graph (one uncompensated call captured in a CUDA graph, replayed) up to this size:
-it shows how much of the small-message time is host launch overhead."""
-SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-            "NVSHMEM_DISABLE_NVLS": "1"}
+U4, U8 = EchoConfig(bits=4, eta=0.0), EchoConfig(bits=8, eta=0.0)
+C4 = EchoConfig(bits=4)                                       # the default: one bf16 state
+PAPER = EchoConfig.from_name("echo4-2ts")                     # the paper's fp32 pair, local
+PAPER_OUT = EchoConfig(bits=4, eta=0.75, a=0.35, beta1=0.7, beta2=0.3, state_dtype="float32",
+                       residual="output")                     # the paper's residual too
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@dataclass(frozen=True)
+class Method:
+    """One benchmarked way to all-reduce.
+    kind: 'nccl' (dist.all_reduce in place), 'oneshot' (the 16-bit one-shot kernel, in place,
+    up to max_bytes), 'reference' (the reference backend over NCCL), 'p2p' (P2PBackend with
+    the route 'p2p' mode gives; form / overlap forced where set), 'graph' (one p2p call
+    captured in a CUDA graph and replayed, up to max_bytes), 'unfused' (the output-residual
+    compensator as separate torch ops around an uncompensated p2p call), 'auto'
+    (EchoCommunicator with backend='auto', in place: what a TP layer gets)."""
+
+    kind: str
+    cfg: EchoConfig | None = None
+    form: str | None = None           # p2p: 'fused' | 'staged' | None (by size)
+    overlap: str | None = None        # staged p2p: 'off' | 'launch' | None (as measured)
+    max_bytes: int | None = None
 
 
-def _entry(rank, world, port, outdir, fn, args):
-    os.environ.update(SAFE_ENV)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.cuda.set_device(rank)
-    from echo_tp.launch import group_timeout
-    dist.init_process_group("nccl", rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank), timeout=group_timeout())
-    import traceback
-    try:
-        result = ("ok", fn(rank, world, *args))
-    except BaseException:  # noqa: BLE001 - report to the parent
-        result = ("error", traceback.format_exc())
-    torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
-
-
-def spawn_nccl(world: int, fn, *args) -> list:
-    """fn(rank, world, *args) on `world` NCCL ranks (one GPU each) -> per-rank results."""
-    import tempfile
-    with tempfile.TemporaryDirectory() as outdir:
-        mp.start_processes(_entry, args=(world, _free_port(), outdir, fn, args), nprocs=world,
-                           join=True, start_method="spawn")
-        out = []
-        for r in range(world):
-            status, value = torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False)
-            if status == "error":
-                raise RuntimeError(f"rank {r} failed:\n{value}")
-            out.append(value)
-        return out
-
-
-def _time(fn, iters: int, warmup: int) -> float:
-    """Median ms of `iters` back-to-back calls, each between two CUDA events."""
-    for _ in range(warmup):
-        fn()
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
-    torch.cuda.synchronize()
-    dist.barrier()
-    ev[0].record()
-    for i in range(iters):
-        fn()
-        ev[i + 1].record()
-    torch.cuda.synchronize()
-    return statistics.median(ev[i].elapsed_time(ev[i + 1]) for i in range(iters))
-
-
-def stage_times(p2p, x, cfg, state, iters: int = 20) -> dict:
-    """Median ms of entry, reduce (its waits included) and tail over `iters` calls, from
-    events recorded between the launches (P2PBackend.stage_events)."""
-    per = {"entry": [], "reduce": [], "tail": []}
-    dist.barrier()
-    for _ in range(iters):
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
-        p2p.stage_events = ev
-        p2p.run(x, cfg, state=state, backward=False, record=False)
-        p2p.stage_events = None
-        torch.cuda.synchronize()
-        for k, name in enumerate(per):
-            per[name].append(ev[k].elapsed_time(ev[k + 1]))
-    return {k: statistics.median(v) for k, v in per.items()}
+METHODS: dict[str, Method] = {
+    "nccl16": Method("nccl"),
+    "oneshot16": Method("oneshot", max_bytes=64 * MB),
+    "ref4": Method("reference", U4),
+    "ref8": Method("reference", U8),
+    "p2p4": Method("p2p", U4),
+    "p2p4-fused": Method("p2p", U4, form="fused"),
+    "p2p4-staged": Method("p2p", U4, form="staged", overlap="off"),
+    "p2p4-launch": Method("p2p", U4, form="staged", overlap="launch"),
+    "p2p8": Method("p2p", U8),
+    "p2p8-staged": Method("p2p", U8, form="staged", overlap="off"),
+    "p2p8-launch": Method("p2p", U8, form="staged", overlap="launch"),
+    "p2p4c": Method("p2p", C4),
+    "p2p4c-staged": Method("p2p", C4, form="staged"),
+    "p2p4c-fp32": Method("p2p", PAPER),
+    "p2p4c-out": Method("p2p", PAPER_OUT),
+    "p2p4c-out-unfused": Method("unfused", PAPER_OUT),
+    "p2p4-graph": Method("graph", U4, max_bytes=64 * MB),
+    "auto4": Method("auto", U4),
+    "auto4c": Method("auto", C4),
+    "auto4c-fp32": Method("auto", PAPER),
+}
+DEFAULT_METHODS = ("nccl16", "oneshot16", "ref4", "p2p8", "p2p4", "p2p4-staged", "p2p4c",
+                   "p2p4c-staged", "p2p4c-fp32", "p2p4-graph", "auto4", "auto4c",
+                   "auto4c-fp32")
+STAGE_MIN_BYTES = 64 * MB
 
 
 def ceilings(rank: int, world: int, nbytes: int = 1 << 30, iters: int = 10) -> dict:
@@ -135,7 +90,7 @@ def ceilings(rank: int, world: int, nbytes: int = 1 << 30, iters: int = 10) -> d
     b = torch.empty_like(a)
 
     def med(fn):
-        return _time(fn, iters, 2)
+        return median_ms(fn, iters, 2)
 
     ms = med(lambda: b.copy_(a))
     out["d2d_copy_GBps"] = 2 * nbytes / (ms * 1e-3) / 1e9
@@ -163,36 +118,110 @@ def ceilings(rank: int, world: int, nbytes: int = 1 << 30, iters: int = 10) -> d
     return out
 
 
-STAGE_METHODS = ("p2p4-staged", "p2p8-staged", "p2p4c-loc-staged",
-                 "p2p4c-loc-bf16-single-staged")
-"""Methods timed per stage with --stages (where reduce and tail run as one overlapped launch,
-'reduce' is both and 'tail' 0)."""
-STAGE_MIN_BYTES = 64 * MB
+def stage_times(p2p, x, cfg, route, state, iters: int = 20) -> dict:
+    """Median ms of entry, reduce (its waits included) and tail of staged p2p calls, from CUDA
+    events recorded between the launches of the call's plan (P2PBackend.prepare); with overlap
+    'launch' reduce is both and tail 0."""
+    per = {"entry": [], "reduce": [], "tail": []}
+    dist.barrier()
+    for _ in range(iters):
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        plan, ws, y = p2p.prepare(x, cfg, route, state=state, backward=False)
+        ev[0].record()
+        plan.entry()
+        ev[1].record()
+        if route.overlap == "launch":
+            plan.reduce_tail(y, ws.ticket, p2p.overlap_lag)
+        else:
+            plan.reduce(y)
+        ev[2].record()
+        if route.overlap != "launch":
+            plan.tail(y)
+        ev[3].record()
+        torch.cuda.synchronize()
+        for k, name in enumerate(per):
+            per[name].append(ev[k].elapsed_time(ev[k + 1]))
+    return {k: statistics.median(v) for k, v in per.items()}
 
 
-def bench_worker(rank: int, world: int, sizes=SIZES, methods=METHODS, iters: int = 50,
-                 warmup: int = 5, deadline: float | None = None, stages: bool = False,
-                 **p2p_kwargs) -> list[dict]:
+class _Bench:
+    """The backends of one rank, built once; `call(method, x)` -> a no-argument timed call."""
+
+    def __init__(self, sizes):
+        from echo_tp.collective.dispatch import TransportBackend
+        from echo_tp.collective.oneshot import OneShotBackend
+        from echo_tp.collective.p2p import P2PBackend
+        from echo_tp.collective.reference import DistTransport
+        self.world = dist.get_world_size()
+        self.p2p = P2PBackend(None)
+        self.one = OneShotBackend(None, cap_bytes=min(max(sizes), METHODS["oneshot16"].max_bytes))
+        self.ref = TransportBackend(DistTransport(None))
+        self.autos: dict = {}
+
+    def route(self, m: Method, x):
+        from echo_tp.collective import routing, tuning
+        call = routing.Call.of(x.numel(), x.element_size(), m.cfg, self.world, on_gpu=True)
+        return routing.p2p_route(call, tuning.DEFAULT, "benchmark", form=m.form,
+                                 overlap=m.overlap)
+
+    def state(self, cfg, n):
+        from echo_tp.compensator import CompState
+        if not cfg.compensated:
+            return None
+        return CompState.zeros(n, "cuda", getattr(torch, cfg.state_dtype),
+                               compact=cfg.beta1 == cfg.beta2)
+
+    def call(self, name: str, x):
+        """-> (fn, extras): fn() runs one call; extras: stage timing inputs or the communicator."""
+        m = METHODS[name]
+        n = x.numel()
+        if m.kind == "nccl":
+            buf = x.clone()
+            return (lambda: dist.all_reduce(buf)), {}
+        if m.kind == "oneshot":
+            buf = x.clone()
+            return (lambda: self.one.run(buf, None, state=None, backward=False, record=False,
+                                         inplace=True)), {}
+        if m.kind == "reference":
+            return (lambda: self.ref.run(x, m.cfg, state=None, backward=False,
+                                         record=False)), {}
+        if m.kind == "auto":
+            from echo_tp.communicator import EchoCommunicator
+            comm = self.autos.get(name)
+            if comm is None:
+                comm = self.autos[name] = EchoCommunicator.from_group(None, m.cfg)
+            comm.new_pass()
+            buf = x.clone()
+            return (lambda: comm.all_reduce(buf, inplace=True)), {"comm": comm}
+        route = self.route(m, x)
+        if m.kind == "unfused":
+            from echo_tp.collective.unfused import unfused_output_compensated
+            plain = m.cfg.replace(eta=0.0)
+            proute = self.route(Method("p2p", plain), x)
+            state = self.state(m.cfg, n)
+            return (lambda: unfused_output_compensated(
+                lambda xp: self.p2p.run(xp, plain, route=proute, state=None, backward=False,
+                                        record=False)[0], x, m.cfg, state, self.world)), {}
+        state = self.state(m.cfg, n)
+
+        def run():
+            return self.p2p.run(x, m.cfg, route=route, state=state, backward=False,
+                                record=False)
+        if m.kind == "graph":
+            run()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                run()
+            return graph.replay, {}
+        return run, {"route": route, "state": state}
+
+
+def bench_worker(rank: int, world: int, sizes=SIZES, methods=DEFAULT_METHODS, iters: int = 50,
+                 warmup: int = 5, deadline: float | None = None,
+                 stages: bool = False) -> list[dict]:
     """On one rank: every size x method -> {'bytes', 'method', 'ms'} (this rank's median)."""
-    from echo_tp.collective.dispatch import TransportBackend
-    from echo_tp.collective.p2p import P2PBackend
-    from echo_tp.collective.reference import DistTransport
-    from echo_tp.compensator import CompState
-    from echo_tp.config import EchoConfig
-    from echo_tp.communicator import EchoCommunicator
-    from echo_tp.collective.oneshot import OneShotBackend
-    p2p = P2PBackend(None, min_bytes=0, **p2p_kwargs)
-    staged = P2PBackend(None, min_bytes=0, fused=False,
-                        **{k: v for k, v in p2p_kwargs.items() if k != "programs_per_sm"}) \
-        if any(m.endswith("-staged") for m in methods) else None
-    one = OneShotBackend(None, cap_bytes=min(max(sizes), ONESHOT_MAX_BYTES)) \
-        if "oneshot16" in methods else None
-    ref = TransportBackend(DistTransport(None))
-    variants: dict = {}
-    autos = {"auto4": EchoCommunicator.from_group(None, EchoConfig(bits=4, eta=0.0)),
-             "auto4c": EchoCommunicator.from_group(None, EchoConfig(bits=4)),
-             "auto4c-fp32": EchoCommunicator.from_group(None,
-                                                        EchoConfig.from_name("echo4-2ts"))}
+    bench = _Bench(sizes)
     rows = []
     broken: set = set()      # methods that failed on some rank: skipped for the other sizes
 
@@ -203,135 +232,47 @@ def bench_worker(rank: int, world: int, sizes=SIZES, methods=METHODS, iters: int
         return not bad.item()
 
     for nbytes in sizes:
-        n = nbytes // 2
         gen = torch.Generator(device="cuda").manual_seed(rank + 1)
-        x = (torch.randn(n, generator=gen, device="cuda") * 1e-3).to(torch.bfloat16)
-        mm_alone: list = []                          # the matmul's own time at this size
-        for full in methods:
-            method = full.removesuffix("+mm")         # '+mm': after a matmul, matmul subtracted
+        x = (torch.randn(nbytes // 2, generator=gen, device="cuda") * 1e-3).to(torch.bfloat16)
+        for name in methods:
+            m = METHODS[name]
             flag = torch.tensor([time.time() > deadline if deadline else False],
                                 device="cuda", dtype=torch.int32)
             dist.all_reduce(flag)                     # all ranks skip together
-            if flag.item() or full in broken:
+            if flag.item() or name in broken or (m.max_bytes and nbytes > m.max_bytes):
                 continue
-            state = None
-            if method == "p2p4-graph" and nbytes > GRAPH_MAX_BYTES:
-                continue
-            if method.startswith("oneshot16") and nbytes > ONESHOT_MAX_BYTES:
-                continue
-            err = None
+            err, extras, row = None, {}, None
             try:                                      # set-up and one call (compiles)
-                if method == "nccl16":
-                    buf = x.clone()
-                    fn = lambda: dist.all_reduce(buf)     # noqa: E731
-                elif method == "p2p4-graph":
-                    cfg = EchoConfig(bits=4, eta=0.0)
-                    p2p.run(x, cfg, state=None, backward=False, record=False)
-                    torch.cuda.synchronize()
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph):
-                        p2p.run(x, cfg, state=None, backward=False, record=False)
-                    fn = graph.replay
-                elif method.startswith("oneshot16"):
-                    buf = x.clone()
-                    be = one
-                    if "@" in method:         # variant: oneshot16@pps{K}w{W}
-                        if method not in variants:
-                            pps, warps = (int(v) for v in method.split("@pps")[1].split("w"))
-                            variants[method] = OneShotBackend(None, cap_bytes=one.cap_bytes,
-                                                            num_warps=warps, programs_per_sm=pps)
-                        be = variants[method]
-                    fn = lambda: be.run(buf, None, state=None, backward=False,  # noqa: E731
-                                        record=False, inplace=True)
-                elif method in autos:
-                    comm = autos[method]
-                    comm.new_pass()
-                    buf = x.clone()
-                    fn = lambda: comm.all_reduce(buf, inplace=True)   # noqa: E731
-                elif method == "p2p4c-out-unfused":     # compensator as separate torch ops
-                    from echo_tp.collective.unfused import unfused_output_compensated
-                    cfg = EchoConfig.from_name("echo4-output")
-                    plain = cfg.replace(eta=0.0)
-                    state = CompState.zeros(n, "cuda")
-                    fn = lambda: unfused_output_compensated(  # noqa: E731
-                        lambda xp: p2p.run(xp, plain, state=None, backward=False,
-                                           record=False)[0], x, cfg, state, world)
-                elif method.startswith("ref"):
-                    cfg = EchoConfig(bits=int(method[3:]), eta=0.0)
-                    fn = lambda: ref.run(x, cfg, state=None, backward=False, record=False)  # noqa
-                else:
-                    bits = int(method[3])
-                    comp = method.startswith("p2p4c")
-                    base, _, variant = method.partition("@")
-                    be = staged if base.endswith("-staged") else p2p
-                    # launch shape: @ppsK (fused, K programs/SM), wK (warps), tK (values per
-                    # tile: one flag), sK (values per step within a tile), e.g. @w4t8192s2048
-                    if variant:
-                        if method not in variants:
-                            import re
-
-                            from echo_tp import envs
-                            kw = dict(p2p_kwargs,
-                                      fused=False if base.endswith("-staged") else None)
-                            for k, v in re.findall(r"(pps|w|t|s|d|o|l|g)(\d+)", variant):
-                                if k == "pps":
-                                    kw.update(programs_per_sm=int(v), fused=True)
-                                elif k == "d":            # d0: output-residual update inline
-                                    kw["defer_output"] = bool(int(v))
-                                elif k == "o":            # o0 off, o1 launch, o2 stream
-                                    kw["overlap"] = envs.OVERLAP_MODES[int(v)]
-                                elif k == "l":            # lK: tails K tiles behind
-                                    kw["overlap_lag"] = int(v)
-                                elif k == "g":            # gK: o2's tail programs per SM
-                                    kw["tail_programs_per_sm"] = int(v)
-                                else:
-                                    kw[{"w": "num_warps", "t": "tile_elems",
-                                        "s": "step_elems"}[k]] = int(v)
-                            variants[method] = P2PBackend(None, min_bytes=0, **kw)
-                        be = variants[method]
-                    sdt = "bfloat16" if "-bf16" in method else "float32"
-                    single = "-single" in method          # beta1 = beta2 = 0: one state tensor
-                    cfg = EchoConfig(bits=bits, eta=0.75 if comp else 0.0,
-                                     residual="local" if "-loc" in method else "output",
-                                     state_dtype=sdt, beta1=0.0 if single else 0.7,
-                                     beta2=0.0 if single else 0.3)
-                    state = CompState.zeros(n, "cuda", getattr(torch, sdt), compact=single) \
-                        if comp else None
-                    fn = lambda: be.run(x, cfg, state=state, backward=False,  # noqa: E731
-                                        record=False)
-                if full.endswith("+mm"):
-                    fn = _after_matmul(fn, n, mm_alone, iters, warmup)
+                fn, extras = bench.call(name, x)
                 fn()
                 torch.cuda.synchronize()
             except Exception:  # noqa: BLE001 - report it, keep the other methods
                 err = traceback.format_exc()[-1500:]
             if agree(err):
                 try:
-                    row = {"bytes": nbytes, "method": full,
-                           "ms": _time(fn, small_iters(nbytes, iters), warmup)}
-                    if full.endswith("+mm"):
-                        row["ms"] -= mm_alone[0]
-                        row["matmul_ms"] = mm_alone[0]
-                    if method in autos:
-                        row["backend"] = autos[method].dispatcher.last_backend
-                    if stages and staged is not None and method in STAGE_METHODS \
+                    row = {"bytes": nbytes, "method": name,
+                           "ms": median_ms(fn, small_iters(nbytes, iters), warmup)}
+                    if "comm" in extras:
+                        row["backend"] = extras["comm"].dispatcher.last_backend
+                    route = extras.get("route")
+                    if route is not None:
+                        row["route"] = f"{route.form}/{route.overlap}/t{route.tile}"
+                    if stages and route is not None and route.form == "staged" \
                             and nbytes >= STAGE_MIN_BYTES:
-                        row["stages_ms"] = stage_times(staged, x, cfg, state,
+                        row["stages_ms"] = stage_times(bench.p2p, x, m.cfg, route,
+                                                       extras["state"],
                                                        iters=max(5, iters // 2))
                 except Exception:  # noqa: BLE001
                     err = traceback.format_exc()[-1500:]
             if not agree(err):
-                broken.add(full)
-                row = {"bytes": nbytes, "method": full,
-                       "error": err or "failed on another rank"}
+                broken.add(name)
+                row = {"bytes": nbytes, "method": name, "error": err or "failed on another rank"}
             rows.append(row)
             if rank == 0 or "error" in row:
                 print(f"[bench P{world} rank{rank}] {row}", flush=True)
-            del state
+            del extras
         torch.cuda.empty_cache()
-    for be in (p2p, staged, one, *variants.values()):
-        if be is None:
-            continue
+    for be in (bench.p2p, bench.one):
         try:
             be.check_error()
         except Exception:  # noqa: BLE001
@@ -348,27 +289,6 @@ host-bound and moved 2x between runs at 50 (2026-11-30: NCCL 0.032 vs 0.070 ms a
 
 def small_iters(nbytes: int, iters: int) -> int:
     return max(iters, SMALL_ITERS) if nbytes <= SMALL_BYTES else iters
-
-
-def _after_matmul(fn, n: int, mm_alone: list, iters: int, warmup: int):
-    """fn preceded by a bf16 matmul whose output has ~n values ([n/4096, 4096] x [4096, 4096],
-    the shape of a TP block's next projection): the paper's way to time an all-reduce whose
-    compensator update runs beside the next matmul. mm_alone[0] gets the matmul's own median
-    (measured once per size), which the caller subtracts."""
-    rows = max(1, n // 4096)
-    a = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) * 0.02
-    out = torch.empty(rows, 4096, device="cuda", dtype=torch.bfloat16)
-
-    def mm():
-        torch.mm(a, w, out=out)
-    if not mm_alone:
-        mm_alone.append(_time(mm, iters, warmup))
-
-    def both():
-        mm()
-        fn()
-    return both
 
 
 def summarize(per_rank: list[list[dict]], world: int) -> list[dict]:
@@ -388,7 +308,7 @@ def summarize(per_rank: list[list[dict]], world: int) -> list[dict]:
                 stages.setdefault(key, {})[k] = max(stages.get(key, {}).get(k, 0.0), v)
     out = []
     for (nbytes, method), ms in sorted(table.items()):
-        base = table.get((nbytes, "nccl16+mm" if method.endswith("+mm") else "nccl16"))
+        base = table.get((nbytes, "nccl16"))
         row = {"bytes": nbytes, "method": method, "ms": ms,
                "speedup": base / ms if base else None,
                "busbw_GBps": 2 * (world - 1) / world * nbytes / (ms * 1e-3) / 1e9}
@@ -476,9 +396,11 @@ def plot(rows: list[dict], world: int, path: str, title: str = "") -> None:
 
 
 def main(world: int = 4, out: str = "out", iters: int = 50, max_mb: int = 1024,
-         budget_s: float = 1e9, methods: tuple = METHODS, min_mb: float = 0,
+         budget_s: float = 1e9, methods: tuple = DEFAULT_METHODS, min_mb: float = 0,
          stages: bool = False) -> list[dict]:
-    os.environ.update(SAFE_ENV)
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise SystemExit(f"unknown methods {unknown}; known: {', '.join(METHODS)}")
     sizes = [s for s in SIZES if min_mb * MB <= s <= max_mb * MB]
     per_rank = spawn_nccl(world, bench_worker, sizes, methods, iters, 5, time.time() + budget_s,
                           stages)
@@ -510,11 +432,11 @@ def cli() -> None:
     ap.add_argument("--max-mb", type=int, default=1024)
     ap.add_argument("--min-mb", type=float, default=0)
     ap.add_argument("--stages", action="store_true",
-                    help="also time entry/reduce/tail of the -staged methods (stage events)")
+                    help="also time entry/reduce/tail of the staged p2p methods (CUDA events "
+                         "between the stage launches) from 64 MB")
     ap.add_argument("--budget-s", type=float, default=1e9)
-    ap.add_argument("--methods", default=",".join(METHODS),
-                    help="comma-separated; p2p methods take an @ppsK suffix (K programs per SM "
-                         "for the fused kernel)")
+    ap.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                    help="comma-separated names of the METHODS table: " + ", ".join(METHODS))
     a = ap.parse_args()
     main(a.world, a.out, a.iters, a.max_mb, a.budget_s, tuple(a.methods.split(",")), a.min_mb,
          a.stages)

@@ -28,10 +28,10 @@ fi
 echo "one-GPU phase in $(( $(date +%s) - T0 )) s"; tail -3 $OUT/pytest_kernels_gpu.txt
 T0=$(date +%s)
 timeout ${PYTEST_S:-150} python3 -m pytest -q -x -p no:cacheprovider tests/test_p2p_gpu.py \
-  -k "${PYTEST_K:-2-True or 2-off or 2-launch or 2-stream}" > $OUT/pytest_p2p.txt 2>&1
+  -k "${PYTEST_K:-2-fused or 2-off or 2-launch}" > $OUT/pytest_p2p.txt 2>&1
 echo "p2p pytest rc=$? in $(( $(date +%s) - T0 )) s"; grep -v "^#loc" $OUT/pytest_p2p.txt | tail -4
 T0=$(date +%s)
-METHODS=${METHODS:-nccl16,p2p4,p2p4@o2,p2p8,p2p8@o2,p2p4c-loc-staged,p2p4c-loc-bf16-single,p2p4c-loc-bf16-single@o2,p2p4c-out,auto4,auto4c,auto4c-fp32}
+METHODS=${METHODS:-nccl16,p2p4,p2p4-staged,p2p4-launch,p2p8,p2p8-launch,p2p4c,p2p4c-staged,p2p4c-fp32,p2p4c-out,auto4,auto4c,auto4c-fp32}
 timeout ${BENCH_S:-200} python3 benchmarks/allreduce.py --world 2 --out $OUT --iters 50 \
   --budget-s $(( ${BENCH_S:-200} - 40 )) --methods $METHODS --min-mb ${MIN_MB:-0} --stages \
   > $OUT/ar.log 2>&1

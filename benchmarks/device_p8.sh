@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #7 in one device call on nvidia-h200-x8 (run: `bash benchmarks/device_p8.sh`; every step
+# P=8 in one device call on nvidia-h200-x8 (run: `bash benchmarks/device_p8.sh`; every step
 # has its own time limit, results under $OUT): exactness at P=8 against the torch reference,
 # the all-reduce benchmark at P=8 (64 MB - 1 GB), e2e at TP=8 idle and at 100% background load.
 set -uo pipefail
@@ -7,23 +7,23 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src ECHO_FLAG_TIMEOUT_S=20
 nvidia-smi -L; nvidia-smi topo -m | head -10
 # 1. exactness at P=8: the exactness worker on 8 ranks (fused kernel; stage kernels with
-#    reduce and tail serial, in one launch, and on two streams)
+#    reduce and tail serial and in one launch)
 timeout 280 python3 - > $OUT/exact_p8.txt 2>&1 <<'PY'
 import sys
 sys.path[:0] = ["tests", "benchmarks"]
-from allreduce import spawn_nccl
+from common import spawn_nccl
 from test_p2p_gpu import CASES, exactness_worker
-for fused, overlap in ((True, None), (False, "off"), (False, "launch"), (False, "stream")):
-    res = spawn_nccl(8, exactness_worker, CASES[:8] + CASES[-3:], 2, None, True, fused,
+for form, overlap in (("fused", None), ("staged", "off"), ("staged", "launch")):
+    res = spawn_nccl(8, exactness_worker, CASES[:8] + CASES[-3:], 2, None, True, form,
                      overlap)
     bad = [(r, row) for r, rows in enumerate(res) for row in rows
            if row.get("error") or row["y"] or row["m1"] or row["m2"]]
-    print(f"fused={fused} overlap={overlap}: {'EXACT' if not bad else bad[:4]}", flush=True)
+    print(f"form={form} overlap={overlap}: {'EXACT' if not bad else bad[:4]}", flush=True)
 PY
-echo "exact rc=$?"; grep -E "fused=|Error" $OUT/exact_p8.txt | tail -4
+echo "exact rc=$?"; grep -E "form=|Error" $OUT/exact_p8.txt | tail -4
 # 2. all-reduce latency at P=8, 64 MB .. 1 GB
 timeout 150 python3 benchmarks/allreduce.py --world 8 --out $OUT --iters 30 --budget-s 130 \
-  --min-mb 64 --methods nccl16,p2p8,p2p4,p2p4c-loc,p2p4c-loc-bf16,p2p4c-loc-bf16-single,p2p4c-out,auto4,auto4c,auto4c-fp32 \
+  --min-mb 64 --methods nccl16,p2p8,p2p4,p2p4c,p2p4c-fp32,p2p4c-out,auto4,auto4c,auto4c-fp32 \
   > $OUT/ar.log 2>&1
 echo "allreduce rc=$?"; grep -A 10 "^### P=8" $OUT/ar.log
 # 3. end to end at TP=8: TTFT (1 GB), train, idle and 100% background load

@@ -22,7 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from allreduce import SAFE_ENV, spawn_nccl
+from common import spawn_nccl
 
 
 def _host_and_wall(fn, calls: int) -> tuple[float, float]:
@@ -52,17 +52,20 @@ def _profile(fn, calls: int) -> str:
 
 
 def worker(rank: int, world: int, nbytes: int, calls: int) -> dict:
+    from echo_tp.collective import routing, tuning
     from echo_tp.collective.oneshot import OneShotBackend
     from echo_tp.collective.p2p import P2PBackend
     from echo_tp.communicator import EchoCommunicator
     from echo_tp.config import EchoConfig
-    from echo_tp.kernels import allreduce_kernels as ak
+    from echo_tp.kernels import launcher
     n = nbytes // 2
     x = (torch.randn(n, device="cuda") * 1e-3).to(torch.bfloat16)
     buf = x.clone()
     cfg = EchoConfig(bits=4, eta=0.0)
-    fused = P2PBackend(None, min_bytes=0, fused=True)
-    staged = P2PBackend(None, min_bytes=0, fused=False)
+    call = routing.Call.of(n, 2, cfg, world, on_gpu=True)
+    fused_r = routing.p2p_route(call, tuning.DEFAULT, "benchmark", form="fused")
+    staged_r = routing.p2p_route(call, tuning.DEFAULT, "benchmark", form="staged")
+    p2p = P2PBackend(None)
     one = OneShotBackend(None, cap_bytes=max(nbytes, 1 << 20))
     comm = EchoCommunicator.from_group(None, cfg)
     comm.new_pass()
@@ -72,8 +75,10 @@ def worker(rank: int, world: int, nbytes: int, calls: int) -> dict:
         "nccl16": lambda: dist.all_reduce(buf),
         "oneshot16": lambda: one.run(buf, cfg, state=None, backward=False, record=False,
                                      inplace=True),
-        "p2p4": lambda: fused.run(x, cfg, state=None, backward=False, record=False),
-        "p2p4-staged": lambda: staged.run(x, cfg, state=None, backward=False, record=False),
+        "p2p4": lambda: p2p.run(x, cfg, route=fused_r, state=None, backward=False,
+                                record=False),
+        "p2p4-staged": lambda: p2p.run(x, cfg, route=staged_r, state=None, backward=False,
+                                       record=False),
         "auto4": lambda: comm.all_reduce(buf, inplace=True),
         "auto4c": lambda: comm_c.all_reduce(buf, inplace=True),
     }
@@ -82,12 +87,12 @@ def worker(rank: int, world: int, nbytes: int, calls: int) -> dict:
         host, wall = _host_and_wall(fn, calls)
         out["rows"][name] = {"host_us": round(host, 1), "wall_us": round(wall, 1)}
     out["backend_auto"] = comm.dispatcher.last_backend
-    out["fast_launch_entries"] = len(ak._FAST)
+    out["fast_launch_entries"] = len(launcher._CACHE)
     for name in ("auto4", "auto4c", "p2p4"):
         prof = _profile(methods[name], calls)
         if rank == 0:
             out[f"profile_{name}"] = prof
-    for b in (fused, staged, one):
+    for b in (p2p, one):
         b.check_error()
     return out
 
@@ -99,7 +104,6 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     a = ap.parse_args()
-    os.environ.update(SAFE_ENV)
     res = spawn_nccl(a.world, worker, a.kb << 10, a.calls)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, f"host_overhead_P{a.world}_{a.kb}KB.json"), "w") as f:

@@ -40,6 +40,29 @@ def test_allreduce_tables_and_plot(tmp_path):
     assert (tmp_path / "p.png").stat().st_size > 1000
 
 
+def test_allreduce_method_table():
+    """Every named method is one row of the table: a known kind, and for the p2p kinds a
+    route the routing policy builds at every benchmarked size (forced form / overlap kept)."""
+    ar = pytest.importorskip("allreduce")
+    from echo_tp.collective import routing, tuning
+    kinds = {"nccl", "oneshot", "reference", "p2p", "graph", "unfused", "auto"}
+    assert set(ar.DEFAULT_METHODS) <= set(ar.METHODS)
+    for name, m in ar.METHODS.items():
+        assert m.kind in kinds, name
+        if m.kind in ("p2p", "graph", "unfused", "reference", "auto"):
+            assert m.cfg is not None, name
+        if m.kind not in ("p2p", "graph"):
+            continue
+        for nbytes in ar.SIZES:
+            call = routing.Call.of(nbytes // 2, 2, m.cfg, 4, on_gpu=True)
+            r = routing.p2p_route(call, tuning.DEFAULT, "b", form=m.form, overlap=m.overlap)
+            assert r.backend == "p2p" and (m.form is None or r.form == m.form), (name, r)
+            if m.overlap and r.form == "staged":
+                assert r.overlap == m.overlap, (name, r)
+    with pytest.raises(SystemExit, match="unknown methods"):
+        ar.main(world=2, methods=("p2p4@o2",))
+
+
 def test_e2e_table_and_plot_with_a_subset_of_comms(tmp_path):
     e2e = pytest.importorskip("e2e")
     row = {"model": "llama-3-8b", "kind": "prefill", "batch": 4, "msg_mb": 64.0, "load": 0.0,

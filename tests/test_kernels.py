@@ -7,7 +7,7 @@ Compared, bit for bit, on fresh random inputs (several seeds):
     group counts, outlier channels, constant / all-zero / far-from-zero / integer / tiny /
     huge groups, NaN and Inf groups; and groups at every scale (issue 15: +-3e6 ramps, 1e30,
     near fp32 max, 1e-35, fp32 subnormals, huge constants).
-  * kernels.allreduce_kernels.SimulatedFused (entry -> reduce -> tail kernels over P per-rank
+  * kernels.simulated_fused.SimulatedFused (entry -> reduce -> tail kernels over P per-rank
     buffers, flags included)  vs  collective.qar.compensated_all_reduce over SimTransport:
     y, m1, m2 after consecutive calls; both residual modes, bits 4/8, policies, bf16/fp16/fp32,
     P = 2/3/4, with and without backward power-of-two scaling; and call sequences with huge
@@ -52,10 +52,12 @@ from echo_tp.compensator import CompState  # noqa: E402
 from echo_tp.config import QuantSpec  # noqa: E402
 
 for _name in ("echo_tp.kernels.flags", "echo_tp.kernels.quant_kernels",
-              "echo_tp.kernels.allreduce_kernels", "echo_tp.kernels.simulated_fused"):
+              "echo_tp.kernels.allreduce_kernels", "echo_tp.kernels.launcher",
+              "echo_tp.kernels.allreduce_plan", "echo_tp.kernels.simulated_fused"):
     if _name in sys.modules:          # imported earlier without the interpreter: rebuild
         importlib.reload(sys.modules[_name])
 from echo_tp.kernels import allreduce_kernels as ak  # noqa: E402
+from echo_tp.kernels import allreduce_plan as ap  # noqa: E402
 from echo_tp.kernels import quant_kernels as qk  # noqa: E402
 from echo_tp.kernels import simulated_fused as sf  # noqa: E402
 from echo_tp.kernels.flags import describe_error  # noqa: E402
@@ -207,18 +209,17 @@ def _fused_input(P, n, dtype, seed, scale):
 
 
 def _check_fused(P, cfg, n, dtype, backward, calls, seed, state_dtype=torch.float32,
-                 compact=False, tile=256, step=ak.STEP_ELEMS, defer_output=False,
-                 tail_programs=None):
+                 compact=False, tile=256, step=2048):
     """SimulatedFused against compensated_all_reduce over SimTransport: y, m1, m2 bit for bit
     over `calls` consecutive calls (the state feeds back; the flags' epoch advances)."""
-    sim = sf.SimulatedFused(P, tile_elems=tile, step_elems=step, tail_programs=tail_programs)
+    sim = sf.SimulatedFused(P, tile_elems=tile, step_elems=step)
     ref_state = CompState.zeros((P, n), "cpu", state_dtype, compact=compact)
     state = CompState.zeros((P, n), "cpu", state_dtype, compact=compact)
     for call in range(calls):
         x = _fused_input(P, n, dtype, seed=seed + call, scale=1e-6 if backward else 1.0)
         want, _ = compensated_all_reduce(x, cfg, SimTransport(P), state=ref_state,
                                          backward=backward)
-        got = sim(x, cfg, state=state, backward=backward, defer_output=defer_output)
+        got = sim(x, cfg, state=state, backward=backward)
         assert_bits_equal(got, want, f"y call={call}")
         assert_bits_equal(state.m1, ref_state.m1, f"m1 call={call}")
         assert_bits_equal(state.m2, ref_state.m2, f"m2 call={call}")
@@ -305,36 +306,6 @@ def test_fused_tile_in_steps_matches_reference(P, bits, residual, sdtype, backwa
                  state_dtype=sdtype, tile=1024, step=256)
 
 
-@pytest.mark.parametrize("P,residual,defer,programs", [(2, "local", False, 1),
-                                                       (3, "output", False, 2),
-                                                       (4, "output", True, 5),
-                                                       (8, "local", False, 3)])   # issue #7
-def test_tail_loop_matches_reference(P, residual, defer, programs):
-    """The tail as a few persistent programs (overlap 'stream'): each walks (tile, owner)
-    items in steps of `programs`; P-1 owners when the reduce wrote the own y (local, or the
-    output residual deferred), all P when the tail updates the output residual."""
-    cfg = two_timescale(bits=4, residual=residual)
-    _check_fused(P, cfg, 2600 + 31 * P, torch.bfloat16, False, calls=2, seed=1500 + P,
-                 tile=256, defer_output=defer, tail_programs=programs)
-
-
-@pytest.mark.parametrize("P,bits,quantizer,dtype,backward,sdtype,compact",
-                         [(2, 4, "zero_aware", torch.bfloat16, True, torch.float32, False),
-                          (3, 4, "naive", torch.float16, False, torch.bfloat16, False),
-                          (4, 8, "symmetric", torch.bfloat16, False, torch.float32, False),
-                          (2, 4, "zero_aware", torch.bfloat16, False, torch.bfloat16, True)])
-def test_deferred_output_update_matches_reference(P, bits, quantizer, dtype, backward, sdtype,
-                                                  compact):
-    """Residual 'output' with the state update deferred (P2PBackend runs it on a side stream
-    after the call): tails write y only, `output_update` decodes the gather slots again and
-    updates m1, m2; same bits as the reference and as the in-tail update."""
-    betas = dict(beta1=0.5, beta2=0.5) if compact else {}
-    cfg = two_timescale(bits=bits, quantizer=quantizer, residual="output",
-                     state_dtype="bfloat16" if sdtype == torch.bfloat16 else "float32", **betas)
-    _check_fused(P, cfg, 2500 + 31 * P, dtype, backward, calls=3, seed=1700 + P,
-                 state_dtype=sdtype, compact=compact, tile=1024, step=512, defer_output=True)
-
-
 @pytest.mark.parametrize("bits", [4, 8])
 def test_fused_uncompensated_and_nonfinite(bits):
     """No state (eta = 0 path) and NaN/Inf inputs: y matches, NaN lands in the same places."""
@@ -413,13 +384,13 @@ def test_ticket_order_covers_every_item_once_tails_after_their_reduce(P, rank, t
 
 
 def _concurrent_rank(rank, P, bufs, errs, xs, ys, m1s, m2s, cfg, programs, tile, step,
-                     defer=False, lag=None):
+                     lag=None):
     """One simulated rank in its own process: consecutive calls, no barrier between them.
     programs=0: the three stage kernels (host-bumped epoch), or with lag: entry, then reduce
     and tail overlapped in one launch; else the fused kernel with that many programs
     (per-program epochs)."""
     torch.set_num_threads(1)
-    lay = ak.Layout.build(xs.shape[-1], P, cfg.quant_spec(), tile_elems=tile)
+    lay = ap.Layout.build(xs.shape[-1], P, cfg.quant_spec(), tile_elems=tile)
     table = torch.tensor([b.data_ptr() for b in bufs] + [errs[rank].data_ptr()])
     epoch = torch.zeros(max(1, programs), dtype=torch.int64)
     ticket = torch.zeros(2, dtype=torch.int64)
@@ -427,53 +398,43 @@ def _concurrent_rank(rank, P, bufs, errs, xs, ys, m1s, m2s, cfg, programs, tile,
     for call in range(xs.shape[0]):
         if not programs:
             epoch.add_(1)
-        d = bool(call % 2) if defer == "alternate" else defer
-        plan = ak.CallPlan(rank=rank, lay=lay, cfg=cfg, x=xs[call, rank], state=state, fs=None,
+        plan = ap.CallPlan(rank=rank, lay=lay, cfg=cfg, x=xs[call, rank], state=state, fs=None,
                            epoch=epoch, table=table, timeout=300_000, use_timer=False,
-                           step_elems=step, defer_output=d)
+                           num_warps=4, step_elems=step)
         time.sleep(0.6 if rank == call % P else 0.0)          # one rank pushes late,
         if programs:
             plan.fused(ys[call, rank], programs)
-            if d:                # the side-stream update, before this rank's next call
-                plan.output_update()
             continue
         plan.entry()
         time.sleep(0.6 if rank == (call + 1) % P else 0.0)    # another reduces late
         if lag is not None:
             plan.reduce_tail(ys[call, rank], ticket, lag)
-            if d:
-                plan.output_update()
             continue
         plan.reduce(ys[call, rank])
         plan.tail(ys[call, rank])
 
 
-@pytest.mark.parametrize("P,residual,programs,tile,step,defer,lag",
-                         [(2, "local", 0, 256, 256, False, None),
-                          (3, "output", 0, 256, 256, False, None),
-                          (2, "output", 2, 256, 256, False, None),
-                          (3, "local", 1, 256, 256, False, None),
-                          (4, "output", 2, 256, 256, False, None),
-                          (2, "local", 2, 512, 256, False, None),
-                          (3, "output", 2, 512, 256, True, None),
-                          (2, "local", 0, 256, 256, False, 1),
-                          (3, "output", 0, 256, 256, True, 0),
-                          (2, "output", 0, 256, 256, "alternate", 3),
-                          (4, "local", 0, 256, 256, False, 50)])
-def test_fused_ranks_in_concurrent_processes(P, residual, programs, tile, step, defer, lag):
+@pytest.mark.parametrize("P,residual,programs,tile,step,lag",
+                         [(2, "local", 0, 256, 256, None),
+                          (3, "output", 0, 256, 256, None),
+                          (2, "output", 2, 256, 256, None),
+                          (3, "local", 1, 256, 256, None),
+                          (4, "output", 2, 256, 256, None),
+                          (2, "local", 2, 512, 256, None),
+                          (2, "local", 0, 256, 256, 1),
+                          (3, "output", 0, 256, 256, 0),
+                          (4, "local", 0, 256, 256, 50)])
+def test_fused_ranks_in_concurrent_processes(P, residual, programs, tile, step, lag):
     """The flag protocol with real concurrency: P processes share their buffers (as symmetric
     memory would), each runs 3 calls back to back; every wait must see its peer's data and no
     rank may overwrite a slot a slower peer still reads. programs > 0: the single fused kernel,
-    each program looping over several tiles (4-5 tiles here); defer: the fused kernel leaves the
-    output-residual update to `output_update`, run by each rank after its call while the other
-    ranks may already be in their next one (its gather slots must still hold this call);
-    'alternate': deferred on odd calls only (the overlapped launch then alternates between
-    P-1 and P tails per tile on one workspace). lag: the reduce and tail overlapped in one
-    launch (tails `lag` tiles behind; 50 > tiles: every reduce first)."""
+    each program looping over several tiles (4-5 tiles here). lag: the reduce and tail
+    overlapped in one launch (overlap 'launch'; tails `lag` tiles behind; 50 > tiles: every
+    reduce first)."""
     import torch.multiprocessing as mp
     cfg = two_timescale(bits=4, residual=residual)
     calls, n = 3, 1000 if not programs and lag is None else 2300
-    lay = ak.Layout.build(n, P, cfg.quant_spec(), tile_elems=tile)
+    lay = ap.Layout.build(n, P, cfg.quant_spec(), tile_elems=tile)
     bufs = [torch.randint(0, 256, (lay.nbytes,), dtype=torch.uint8).share_memory_()
             for _ in range(P)]
     for b in bufs:
@@ -484,7 +445,7 @@ def test_fused_ranks_in_concurrent_processes(P, residual, programs, tile, step, 
     ys = torch.empty_like(xs).share_memory_()
     m1s, m2s = torch.zeros(P, n).share_memory_(), torch.zeros(P, n).share_memory_()
     mp.start_processes(_concurrent_rank, args=(P, bufs, errs, xs, ys, m1s, m2s, cfg, programs,
-                                               tile, step, defer, lag),
+                                               tile, step, lag),
                        nprocs=P, start_method="spawn")
     for r in range(P):
         assert describe_error(errs[r]) is None, describe_error(errs[r])
@@ -498,12 +459,12 @@ def test_fused_ranks_in_concurrent_processes(P, residual, programs, tile, step, 
 
 def test_layout_alignment():
     spec = QuantSpec(bits=4, group_size=128)
-    lay = ak.Layout.build(10_000_003, 4, spec, tile_elems=4096)
+    lay = ap.Layout.build(10_000_003, 4, spec, tile_elems=4096)
     assert lay.seg % 128 == 0 and lay.seg * 4 >= 10_000_003
     assert lay.slot % 256 == 0 and lay.scale_off % 16 == 0 and lay.zero_off % 16 == 0
     assert lay.tiles * lay.bg >= lay.groups > (lay.tiles - 1) * lay.bg
     with pytest.raises(ValueError, match="power of two"):
-        ak.Layout.build(1000, 2, spec, tile_elems=384)
+        ap.Layout.build(1000, 2, spec, tile_elems=384)
 
 
 @pytest.mark.parametrize("residual", ["output", "local"])

@@ -45,7 +45,7 @@ CASES = [
     (4, "naive", "output", 0.75, "bfloat16", True, 1_000_000, "bfloat16"),
     (4, "zero_aware", "local", 1.0, "bfloat16", False, 1_500_001, "bfloat16-compact"),
     (4, "zero_aware", "output", 0.75, "float16", True, 700_001, "float32-compact"),
-    # large enough for multi-step tiles (p2p.tile_shape): staged 8192-16384-value tiles in
+    # large enough for multi-step tiles (routing.tile_shape): staged 8192-16384-value tiles in
     # 2048 (uncompensated) / 1024 (compensated) steps; fused (<= 32 MiB) 16384-value tiles
     (4, "zero_aware", "output", 0.0, "bfloat16", False, 50_000_001),
     (4, "zero_aware", "local", 1.0, "bfloat16", False, 40_000_003, "bfloat16-compact"),
@@ -77,21 +77,32 @@ def _input(n, dtype, rank, seed, backward):
     return x.to(getattr(torch, dtype))
 
 
+def p2p_route(x: torch.Tensor, cfg, world: int, form: str | None = None,
+              overlap: str | None = None):
+    """The route 'p2p' mode gives x (form / overlap forced where given)."""
+    from echo_tp.collective import routing, tuning
+    call = routing.Call.of(x.numel(), x.element_size(), cfg, world, on_gpu=True)
+    return routing.p2p_route(call, tuning.DEFAULT, "test", form=form, overlap=overlap)
+
+
 def exactness_worker(rank: int, world: int, cases=CASES, calls: int = 3, group=None,
-                     graph: bool = True, fused: bool | None = None,
+                     graph: bool = True, form: str | None = None,
                      overlap: str | None = None) -> list[dict]:
     """On one rank: every case through p2p and the reference; mismatch counts per tensor.
-    fused True / False: the fused kernel / the stage kernels; None: by size. overlap: the
-    stage kernels' reduce and tail: 'off', 'launch', 'stream' (None: p2p.overlap_mode)."""
+    form 'fused' / 'staged': that kernel form for every call; None: by size. overlap: the
+    stage kernels' reduce and tail, 'off' or 'launch' (None: as measured)."""
+    from echo_tp import quant
+    from echo_tp.collective import qar
     from echo_tp.collective.dispatch import TransportBackend
-    from echo_tp.collective.p2p import P2PBackend, p2p_unavailable_reason
+    from echo_tp.collective.p2p import P2PBackend
     from echo_tp.collective.reference import DistTransport
+    from echo_tp.collective.symm import fast_path_unavailable_reason
     from echo_tp.compensator import CompState
-    reason = p2p_unavailable_reason(group)
+    reason = fast_path_unavailable_reason(group)
     if reason is not None:
         return [{"error": reason}]
-    os.environ["ECHO_TORCH_QUANT"] = "1"   # the reference quantizes with quant.py (torch)
-    p2p = P2PBackend(group, min_bytes=0, fused=fused, overlap=overlap)
+    qar.codec_for = lambda x: quant        # the reference quantizes with quant.py (torch)
+    p2p = P2PBackend(group)
     calls = int(os.environ.get("ECHO_TEST_CALLS", calls))
     ref = TransportBackend(DistTransport(group))
     out = []
@@ -110,8 +121,8 @@ def exactness_worker(rank: int, world: int, cases=CASES, calls: int = 3, group=N
         for call in range(calls):
             x = _input(n, dtype, rank, seed=1000 * ci + call, backward=backward)
             y_r, _ = ref.run(x, cfg, state=st_r, backward=backward, record=False)
-            y_p, _ = p2p.run(x, cfg, state=st_p, backward=backward, record=False)
-            p2p.wait_pending()                 # residual 'output': the side-stream update
+            y_p, _ = p2p.run(x, cfg, route=p2p_route(x, cfg, world, form, overlap),
+                             state=st_p, backward=backward, record=False)
             row["y"] += _mismatch(y_p, y_r)
             if comp:
                 row["m1"] += _mismatch(st_p.m1, st_r.m1)
@@ -122,12 +133,12 @@ def exactness_worker(rank: int, world: int, cases=CASES, calls: int = 3, group=N
         out.append(row)
         print(f"[exact P{world} rank{rank}] {row}", flush=True)   # survives a later hang
     if graph:
-        out.append(_graph_case(p2p, ref, rank))
+        out.append(_graph_case(p2p, ref, rank, world))
         print(f"[exact P{world} rank{rank}] {out[-1]}", flush=True)
     out.append(_oneshot_case(group, rank, world))
     print(f"[exact P{world} rank{rank}] {out[-1]}", flush=True)
     out.append({"case": "info", "symm_backend": str(p2p.symm_backend), "use_timer": p2p.use_timer,
-                "fused": p2p.fused, "overlap": p2p.overlap, "y": 0, "m1": 0, "m2": 0})
+                "form": form, "overlap": overlap, "y": 0, "m1": 0, "m2": 0})
     p2p.check_error()
     p2p.close()
     return out
@@ -156,10 +167,9 @@ def _oneshot_case(group, rank: int, world: int) -> dict:
     return row
 
 
-def _graph_case(p2p, ref, rank: int) -> dict:
-    """Capture one compensated p2p call in a CUDA graph; replay it on new inputs. Both
-    residuals: 'output' runs its eager warm-up with the deferred (side-stream) update and its
-    captured call with the update in the last kernel."""
+def _graph_case(p2p, ref, rank: int, world: int) -> dict:
+    """Capture one compensated p2p call in a CUDA graph; replay it on new inputs; both
+    residuals."""
     from echo_tp.compensator import CompState
     row = {"case": "cuda-graph replay x3, local + output", "y": 0, "m1": 0, "m2": 0}
     for residual in ("local", "output"):
@@ -167,14 +177,16 @@ def _graph_case(p2p, ref, rank: int) -> dict:
         st_p, st_r = CompState.zeros(n, "cuda"), CompState.zeros(n, "cuda")
         x_static = _input(n, "bfloat16", rank, seed=77, backward=False)
         y_r, _ = ref.run(x_static, cfg, state=st_r, backward=False, record=False)
-        y_p, _ = p2p.run(x_static, cfg, state=st_p, backward=False, record=False)   # warm-up
-        p2p.wait_pending()
+        route = p2p_route(x_static, cfg, world)
+        y_p, _ = p2p.run(x_static, cfg, route=route, state=st_p, backward=False,
+                         record=False)                                  # warm-up
         row["y"] += _mismatch(y_p, y_r)
         row["m1"] += _mismatch(st_p.m1, st_r.m1)
         row["m2"] += _mismatch(st_p.m2, st_r.m2)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            y_static, _ = p2p.run(x_static, cfg, state=st_p, backward=False, record=False)
+            y_static, _ = p2p.run(x_static, cfg, route=route, state=st_p, backward=False,
+                                  record=False)
         for call in range(3):
             x_static.copy_(_input(n, "bfloat16", rank, seed=78 + call, backward=False))
             y_r, _ = ref.run(x_static, cfg, state=st_r, backward=False, record=False)
@@ -185,36 +197,40 @@ def _graph_case(p2p, ref, rank: int) -> dict:
     return row
 
 
-def _ranks_fn(rank: int, world: int, cases, fused: bool | str = True):
-    """fused: True (the fused kernel), False (stage kernels, reduce and tail overlapped as
-    p2p.overlap_mode says), or an overlap mode for every call of the stage kernels ('off',
-    'launch', 'stream')."""
+def _ranks_fn(rank: int, world: int, cases, form: str = "fused"):
+    """form: 'fused' (the fused kernel for every call), or an overlap mode for every call of
+    the stage kernels ('off', 'launch')."""
     import torch.distributed as dist
     for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                  ("NVSHMEM_DISABLE_NVLS", "1")):
         os.environ.setdefault(k, v)
     torch.cuda.set_device(rank)
     group = dist.new_group(backend="nccl")
-    overlap = None if isinstance(fused, bool) else fused
-    return exactness_worker(rank, world, cases, group=group,
-                            fused=fused if isinstance(fused, bool) else False, overlap=overlap)
+    if form == "fused":
+        return exactness_worker(rank, world, cases, group=group, form="fused")
+    return exactness_worker(rank, world, cases, group=group, form="staged", overlap=form)
 
 
-def test_unavailable_reason_is_cheap_without_gpus():
-    from echo_tp.collective.p2p import p2p_unavailable_reason
-    reason = p2p_unavailable_reason(None)
+def test_unavailable_reason_is_cheap_without_a_group():
+    """Answered locally, before any communication: no CUDA, or (with CUDA, triton and
+    symmetric memory) no process group in this pytest process."""
+    import torch.distributed as dist
+
+    from echo_tp.collective.symm import fast_path_unavailable_reason
+    assert not dist.is_initialized()
+    reason = fast_path_unavailable_reason(None)
     if not torch.cuda.is_available():
         assert reason == "CUDA is not available"
     else:
-        assert reason is None or isinstance(reason, str)
+        assert reason == "torch.distributed is not initialized", reason
 
 
-@pytest.mark.parametrize("world,fused", [(2, True), (2, "off"), (2, "launch"), (2, "stream"),
-                                         (4, True), (4, "off"), (4, "launch"), (4, "stream")])
-def test_p2p_bit_identical_to_nccl_reference(world, fused):
+@pytest.mark.parametrize("world,form", [(2, "fused"), (2, "off"), (2, "launch"),
+                                        (4, "fused"), (4, "off"), (4, "launch")])
+def test_p2p_bit_identical_to_nccl_reference(world, form):
     if torch.cuda.device_count() < world:
         pytest.skip(NEEDS.format(world))
-    results = run_ranks(world, _ranks_fn, CASES, fused, timeout=600)
+    results = run_ranks(world, _ranks_fn, CASES, form, timeout=600)
     for rank, rows in enumerate(results):
         assert "error" not in rows[0], f"rank {rank}: p2p unavailable: {rows[0]}"
         bad = [r for r in rows if r["y"] or r["m1"] or r["m2"]]
@@ -236,7 +252,7 @@ def _soak_fn(rank: int, world: int, calls: int):
         os.environ.setdefault(k, v)
     torch.cuda.set_device(rank)
     groups = [dist.new_group(backend="nccl") for _ in range(2)]
-    p2ps = [P2PBackend(g, min_bytes=0) for g in groups]
+    p2ps = [P2PBackend(g) for g in groups]
     ref = TransportBackend(DistTransport(groups[0]))
     cfg = two_timescale(bits=4, eta=0.0)
     out = {"two_groups": 0, "soak": 0}
@@ -244,16 +260,17 @@ def _soak_fn(rank: int, world: int, calls: int):
         x = _input(300_007, "bfloat16", rank, seed=500 + call, backward=False)
         want, _ = ref.run(x, cfg, state=None, backward=False, record=False)
         for p in p2ps:
-            y, _ = p.run(x, cfg, state=None, backward=False, record=False)
+            y, _ = p.run(x, cfg, route=p2p_route(x, cfg, world), state=None, backward=False,
+                         record=False)
             out["two_groups"] += _mismatch(y, want)
     x = _input(32_768, "bfloat16", rank, seed=9, backward=False)   # 64 KiB
     want, _ = ref.run(x, cfg, state=None, backward=False, record=False)
-    p = p2ps[0]
-    y, _ = p.run(x, cfg, state=None, backward=False, record=False)
+    p, route = p2ps[0], p2p_route(x, cfg, world)
+    y, _ = p.run(x, cfg, route=route, state=None, backward=False, record=False)
     torch.cuda.synchronize()
     mem0 = torch.cuda.memory_allocated()
     for call in range(calls):
-        y, _ = p.run(x, cfg, state=None, backward=False, record=False)
+        y, _ = p.run(x, cfg, route=route, state=None, backward=False, record=False)
         if call % 10_000 == 0:
             out["soak"] += _mismatch(y, want)
     torch.cuda.synchronize()

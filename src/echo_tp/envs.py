@@ -45,17 +45,6 @@ def _choice(name: str, default: str, choices: tuple[str, ...]) -> str:
     return v
 
 
-def force_reference() -> bool:
-    """ECHO_FORCE_REFERENCE: dispatch always picks the torch.distributed reference backend."""
-    return _bool("ECHO_FORCE_REFERENCE", False)
-
-
-def torch_quant() -> bool:
-    """ECHO_TORCH_QUANT: the reference QAR quantizes with quant.py even on CUDA (default: the
-    bit-identical Triton kernels there)."""
-    return _bool("ECHO_TORCH_QUANT", False)
-
-
 def debug_checks() -> bool:
     """ECHO_DEBUG_CHECKS: every call checks its (numel, dtype, bits, direction) across ranks
     (default: each new signature once per communicator, then cached)."""
@@ -93,13 +82,6 @@ def p2p_min_bytes() -> int | None:
                    "a whole number of bytes >= 0")
 
 
-def p2p_fused() -> bool | None:
-    """ECHO_P2P_FUSED: how the p2p backend runs a call: 1 = one fused kernel, 0 = the three
-    stage kernels entry/reduce/tail, unset/auto = by message size (p2p.FUSED_MAX_BYTES)."""
-    v = _choice("ECHO_P2P_FUSED", "auto", ("auto", "0", "1"))
-    return None if v == "auto" else v == "1"
-
-
 def oneshot_max_bytes() -> int | None:
     """ECHO_ONESHOT_MAX_BYTES: the largest message (bytes per rank) 'auto' sends through the
     16-bit one-shot kernel on intra-node GPUs (0: never; unset: the measured table)."""
@@ -107,26 +89,3 @@ def oneshot_max_bytes() -> int | None:
                    "a whole number of bytes >= 0")
 
 
-def fast_launch() -> bool:
-    """ECHO_FAST_LAUNCH: repeat launches of this package's collective kernels go straight to the
-    compiled kernel's launcher (1, default); 0 keeps triton's JIT dispatch on every launch."""
-    return _bool("ECHO_FAST_LAUNCH", True)
-
-
-def defer_output() -> bool:
-    """ECHO_DEFER_OUTPUT: with residual 'output', the p2p backend runs the compensator update
-    after the call on a side stream (1, default), beside the caller's next kernels, the next
-    call waiting for it; 0 updates inside the call's last kernel."""
-    return _bool("ECHO_DEFER_OUTPUT", True)
-
-
-def p2p_overlap() -> str | None:
-    """ECHO_P2P_OVERLAP: how the p2p stage kernels run reduce and tail: 'off' = one after the
-    other; 'launch' = one launch, the tails of early tiles beside the reduces of later ones;
-    'stream' = the tail as a few persistent programs on a second stream beside the reduce;
-    'auto' (default) = as measured fastest (p2p.overlap_mode)."""
-    v = _choice("ECHO_P2P_OVERLAP", "auto", ("auto",) + OVERLAP_MODES)
-    return None if v == "auto" else v
-
-
-OVERLAP_MODES = ("off", "launch", "stream")

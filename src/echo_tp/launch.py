@@ -1,8 +1,9 @@
-"""Launch P local processes on gloo (CPU) and collect each rank's return value.
+"""Launch P local processes on gloo (CPU) or NCCL (one GPU each) and collect each rank's return
+value.
 
     results = run_ranks(world_size, fn, *args)   # fn(rank, world_size, *args) -> picklable
 
-Used by the demo, the CLI's CPU paths and the tests. fn must be importable (module level).
+Used by the demo, the CLI's CPU paths, the tests and the GPU benchmarks (backend='nccl'). fn must be importable (module level).
 Every outcome ends in bounded time with a name: the first rank that fails (or dies) is reported
 at once and the others are stopped; ranks still running after `timeout` seconds are stopped and
 named; an interrupt of the parent (Ctrl-C, SIGINT) stops every rank before it propagates. Inside
@@ -51,11 +52,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, outdir, fn, args):
+def _worker(rank, world_size, port, outdir, fn, args, backend="gloo"):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=group_timeout())
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world_size,
+                                device_id=torch.device("cuda", rank), timeout=group_timeout())
+    else:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=group_timeout())
     try:
         result = ("ok", fn(rank, world_size, *args))
     except BaseException:  # noqa: BLE001 - report any failure to the parent
@@ -73,14 +80,18 @@ def _result_path(outdir: str, rank: int) -> str:
     return os.path.join(outdir, f"rank{rank}.pt")
 
 
-def run_ranks(world_size: int, fn, *args, timeout: float = 300.0):
-    """Run fn(rank, world_size, *args) on world_size gloo processes; return the per-rank results.
-    Raises RankError naming the first rank that failed, died or was still running after
-    `timeout` seconds; every rank is stopped before run_ranks returns or raises."""
+def run_ranks(world_size: int, fn, *args, timeout: float = 300.0, backend: str = "gloo"):
+    """Run fn(rank, world_size, *args) on world_size processes whose default group is `backend`
+    ('gloo', or 'nccl': rank r on GPU r); return the per-rank results. Raises RankError naming
+    the first rank that failed, died or was still running after `timeout` seconds; every rank
+    is stopped before run_ranks returns or raises."""
     if not timeout > 0:
         raise ValueError(f"run_ranks timeout must be > 0 seconds, got {timeout!r}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"run_ranks backend must be 'gloo' or 'nccl', got {backend!r}")
     with tempfile.TemporaryDirectory() as outdir:
-        ctx = mp.start_processes(_worker, args=(world_size, _free_port(), outdir, fn, args),
+        ctx = mp.start_processes(_worker, args=(world_size, _free_port(), outdir, fn, args,
+                                                backend),
                                  nprocs=world_size, join=False, start_method="spawn")
         try:
             return _collect(ctx.processes, outdir, timeout)

@@ -1,13 +1,13 @@
-"""Backend dispatch: each backend says whether it takes a call (`should_use`); the first that
-does runs it, ending at the torch.distributed reference, which takes everything. Backends that
-cannot run at all (no GPU, no peer access, multi-node) disable themselves at construction and
-log the reason once.
+"""Backend dispatch: the routing policy (collective/routing.py) picks the backend of each call;
+this module builds the backends a group can have and runs the call on the one picked.
 
-'auto' on an intra-node GPU group: small messages (up to oneshot.max_bytes) go to the 16-bit
-one-shot kernel (one launch, faster than NCCL there); p2p (fused kernels) takes calls where it
-was measured faster than NCCL's bf16 all-reduce (p2p.crossover_bytes); the rest goes to the
-plain bf16 all-reduce (`PlainBackend`: NCCL itself, exact), else the reference. Elsewhere
-(CPU/gloo, multi-node) the quantized reference runs every call.
+    'auto' on an intra-node GPU group:  oneshot | p2p | plain | reference (routing.route)
+    'auto' elsewhere (CPU/gloo, multi-node), or 'reference':  the reference for every call
+    'p2p':  p2p for every call its kernels can take (an error at build if it cannot run)
+
+Backends that cannot run (no GPU, no peer access, multi-node) are not built; the reason is
+logged once and every route that falls back because of it says so. Each distinct routing
+decision is logged once at INFO with its reason (the table entry and record behind it).
 """
 from __future__ import annotations
 
@@ -19,9 +19,11 @@ import torch.distributed as dist
 from .. import envs
 from ..compensator import CompState
 from ..config import EchoConfig
+from . import routing, tuning
 from .chunked import chunked_all_reduce
 from .qar import StepRecord
 from .reference import DistTransport
+from .routing import Route
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +37,9 @@ class TransportBackend:
         self.name = transport.name
         self.world_size = transport.world_size
 
-    def should_use(self, x: torch.Tensor, cfg: EchoConfig) -> bool:
-        return True
-
     def run(self, x: torch.Tensor, cfg: EchoConfig, *, state: CompState | None, backward: bool,
-            record: bool, inplace: bool = False) -> tuple[torch.Tensor, StepRecord | None]:
+            record: bool, inplace: bool = False,
+            route: Route | None = None) -> tuple[torch.Tensor, StepRecord | None]:
         if not cfg.quantized:
             return self.transport.all_sum(x, inplace=inplace), None
         return chunked_all_reduce(x, cfg, self.transport, state=state, backward=backward,
@@ -60,17 +60,8 @@ class PlainBackend:
     def __init__(self, group: dist.ProcessGroup | None):
         self.transport = DistTransport(group)
         self.world_size = self.transport.world_size
-        self._logged = False
 
-    def should_use(self, x: torch.Tensor, cfg: EchoConfig) -> bool:
-        return x.is_cuda
-
-    def run(self, x, cfg, *, state, backward, record, inplace=False):
-        if cfg.quantized and not self._logged:
-            self._logged = True
-            log.info("echo-tp: %d-bit calls below the p2p crossover use the plain bf16 "
-                     "all-reduce (faster there); backend='p2p' forces the quantized path",
-                     cfg.bits)
+    def run(self, x, cfg, *, state, backward, record, inplace=False, route=None):
         return self.transport.all_sum(x, inplace=inplace), None
 
     def close(self) -> None:
@@ -78,74 +69,113 @@ class PlainBackend:
 
 
 class Dispatcher:
-    def __init__(self, backends: list, world_size: int):
-        if not backends:
-            raise ValueError("a dispatcher needs at least one backend")
+    """backends: name (routing.BACKENDS) -> backend, 'reference' among them. Routes are cached
+    per (numel, dtype, device, layout, config, capture state)."""
+
+    def __init__(self, backends: dict, world_size: int, *, mode: str = "reference",
+                 available: dict[str, str | None] | None = None,
+                 tables: tuning.Tables = tuning.DEFAULT, device: torch.device | None = None):
+        if "reference" not in backends:
+            raise ValueError("a dispatcher needs a 'reference' backend (it takes every call)")
         self.backends = backends
         self.world_size = world_size
-        self._deferring = [b for b in backends if hasattr(b, "wait_pending")]
+        self.mode = mode
+        self.available = dict(available or {})
+        self.tables = tables
+        self.device = device
+        self._only = backends["reference"] if len(backends) == 1 else None
+        self._routes: dict = {}
+        self._logged: set = set()
         self.last_backend: str | None = None
+        self.last_route: Route | None = None
+
+    def route(self, x: torch.Tensor, cfg: EchoConfig) -> Route:
+        """The routing decision for a call of x under cfg (cached)."""
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        key = (x.numel(), x.dtype, x.device, x.dim() == 1 and x.is_contiguous(), cfg, capturing)
+        r = self._routes.get(key)
+        if r is None:
+            call = routing.Call.of(x.numel(), x.element_size(), cfg, self.world_size,
+                                   on_gpu=x.is_cuda, capturing=capturing,
+                                   tensor_unfit=routing.tensor_unfit(x, self.device)
+                                   if x.is_cuda and self.device is not None else "not on a GPU")
+            r = self._routes[key] = routing.route(call, self.mode, self.available, self.tables)
+            if r.backend not in self.backends:      # a route to a backend this group lacks
+                r = self._routes[key] = Route("reference", f"{r.backend} not built: {r.reason}")
+            if (r.backend, r.reason) not in self._logged:
+                self._logged.add((r.backend, r.reason))
+                log.info("echo-tp: %d-bit calls of %d values -> %s: %s", cfg.bits, x.numel(),
+                         r.backend, r.reason)
+        return r
 
     def run(self, x, cfg, *, state, backward, record, inplace=False):
-        for b in self.backends:
-            if b.should_use(x, cfg):
-                if state is not None:      # another backend's deferred state update lands
-                    for d in self._deferring:   # first (a deferring backend waits itself)
-                        if d is not b:
-                            d.wait_pending()
-                self.last_backend = b.name
-                return b.run(x, cfg, state=state, backward=backward, record=record,
-                             inplace=inplace)
-        raise RuntimeError("no backend accepted the call")  # the last backend takes everything
+        if self._only is not None:
+            self.last_backend = self._only.name
+            return self._only.run(x, cfg, state=state, backward=backward, record=record,
+                                  inplace=inplace)
+        r = self.route(x, cfg)
+        b = self.backends[r.backend]
+        self.last_backend, self.last_route = b.name, r
+        return b.run(x, cfg, state=state, backward=backward, record=record, inplace=inplace,
+                     route=r)
 
     def close(self) -> None:
-        for b in self.backends:
+        for b in self.backends.values():
             b.close()
 
 
 def build_dispatcher(group: dist.ProcessGroup | None, backend: str = "auto") -> Dispatcher:
-    """'auto': fastest usable backend first, reference last; 'reference': reference only;
-    'p2p': the p2p backend for every call it supports (errors if it cannot run at all)."""
-    if backend not in ("auto", "reference", "p2p"):
-        raise ValueError(f"backend must be 'auto', 'reference' or 'p2p', got {backend!r}")
-    if backend == "auto":
-        backend = envs.backend()
+    """'auto' (or ECHO_BACKEND): every backend the group can have, routed per call;
+    'reference': the reference only; 'p2p': p2p for every call it can take (an error if it
+    cannot run at all)."""
+    if backend not in routing.MODES:
+        raise ValueError(f"backend must be one of {routing.MODES}, got {backend!r}")
+    mode = envs.backend() if backend == "auto" else backend
     ref = TransportBackend(DistTransport(group))
-    backends = []
-    if backend != "reference" and not envs.force_reference():
-        fast = _try_p2p(group, strict=backend == "p2p")
+    backends: dict = {"reference": ref}
+    available: dict[str, str | None] = {}
+    tables = tuning.DEFAULT.with_overrides(p2p_min_bytes=envs.p2p_min_bytes(),
+                                           oneshot_max_bytes=envs.oneshot_max_bytes())
+    device = None
+    if mode != "reference":
+        fast, available["p2p"] = _try_p2p(group, strict=mode == "p2p")
         if fast is not None:
-            if backend == "auto":
-                small = _try_oneshot(group)
-                backends += [b for b in (small, fast, PlainBackend(group)) if b is not None]
-            else:
-                backends.append(fast)
-    backends.append(ref)
-    return Dispatcher(backends, ref.world_size)
+            device = fast.device
+            backends["p2p"] = fast
+            if mode == "auto":
+                backends["plain"] = PlainBackend(group)
+                cap, _ = tables.oneshot_cap(dist.get_world_size(group))
+                one, available["oneshot"] = _try_oneshot(group, cap)
+                if one is not None:
+                    backends["oneshot"] = one
+    return Dispatcher(backends, ref.world_size, mode=mode, available=available, tables=tables,
+                      device=device)
 
 
 def _try_p2p(group, strict: bool):
+    """-> (P2PBackend or None, None or why not)."""
     try:
-        from .p2p import P2PBackend, p2p_unavailable_reason
+        from .p2p import P2PBackend
+        from .symm import fast_path_unavailable_reason
     except ImportError as e:  # triton missing, or an older torch
         reason = f"p2p backend cannot be imported: {e}"
     else:
-        reason = p2p_unavailable_reason(group)
+        reason = fast_path_unavailable_reason(group)
         if reason is None:
-            return P2PBackend(group, min_bytes=0 if strict else None)
+            return P2PBackend(group), None
     if strict:
         raise RuntimeError(f"backend='p2p' requested but unavailable: {reason}")
     log.info("echo-tp: p2p backend disabled: %s", reason)
-    return None
+    return None, reason
 
 
-def _try_oneshot(group):
-    """The one-shot backend, or None when turned off (ECHO_ONESHOT_MAX_BYTES=0) or broken."""
-    from .oneshot import OneShotBackend, max_bytes
-    if max_bytes(dist.get_world_size(group)) <= 0:
-        return None
+def _try_oneshot(group, cap: int):
+    """-> (OneShotBackend or None, None or why not): off at cap 0 (ECHO_ONESHOT_MAX_BYTES=0)."""
+    if cap <= 0:
+        return None, "one-shot cap 0 (ECHO_ONESHOT_MAX_BYTES=0)"
+    from .oneshot import OneShotBackend
     try:
-        return OneShotBackend(group)
+        return OneShotBackend(group, cap_bytes=cap), None
     except Exception as e:  # noqa: BLE001 - the plain path still serves these calls
         log.warning("echo-tp: one-shot backend disabled: %s", e)
-        return None
+        return None, f"one-shot backend failed to build: {e}"

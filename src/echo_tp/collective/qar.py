@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from .. import envs, quant
+from .. import quant
 from ..compensator import CompState, apply_correction, correction, output_residual, update_
 from ..config import CompensatorConstants, EchoConfig, QuantSpec
 
@@ -66,8 +66,8 @@ class QAROut:
 def codec_for(x: torch.Tensor):
     """The group quantizer implementation for x's device: the Triton kernels on CUDA (one pass,
     bit-identical to quant.py: tests/test_kernels.py, and on GPUs docs/results), quant.py
-    elsewhere or with ECHO_TORCH_QUANT=1. Both expose encode(x, spec) and decode(packet, spec)."""
-    if x.is_cuda and not envs.torch_quant():
+    elsewhere. Both expose encode(x, spec) and decode(packet, spec)."""
+    if x.is_cuda:
         try:
             from ..kernels import quant_kernels
         except ImportError:  # no triton: the torch reference

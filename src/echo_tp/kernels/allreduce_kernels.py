@@ -14,43 +14,25 @@ y and the compensator state are bit-identical). Per rank r, with P ranks, segmen
          s - y_own.
   tail   (grid tiles x P, or P-1 owners with OWN_Y)    wait gath[j][t]; decode;
          y = cast(y32 [/ 2^e]) (saturating); residual 'output': u = x' - y/P and the m1, m2 update.
-  reduce_tail: reduce and tail in one launch, the tails trailing the reduces by `lag` tiles
-         (work items in ticket order); or the tail as a few persistent programs on a second
-         stream beside the reduce (tail_loop_kernel); as measured fastest (p2p.overlap_mode).
+  reduce_tail (overlap 'launch'): reduce and tail in one launch, the tails trailing the reduces
+         by `lag` tiles (work items in ticket order).
+  fused  (grid G programs): entry, reduce and tail of tiles c, c+G, ... in one launch.
 
 Every rank owns one byte buffer (`Layout`), symmetric across ranks; `table` [P+1] int64 holds the
 P buffers' addresses as seen from this rank, then the address of its error record. The same
 kernels run on P GPUs (collective/p2p.py, buffers in symmetric memory) and on P simulated ranks
 in one process (kernels/simulated_fused.py, the CPU test under TRITON_INTERPRET=1): stages
 launched in order entry(all ranks), reduce(all), tail(all) find every flag already set.
+Host side (buffer layout, the per-call launch plan): kernels/allreduce_plan.py.
 """
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
-
-import torch
 import triton
 import triton.language as tl
-from triton import knobs
 
-from .. import envs
-from ..compensator import CompState
-from ..config import CompensatorConstants, EchoConfig, QuantSpec
 from .flags import gated, signal, wait_geq
-from .quant_kernels import (DTYPE_KIND, F32_MAX, HW_FORMS, LAUNCH_OPTS, _cast_sat, _codes,
-                            _dequant, _group_params, _load_codes, _load_f32, _sat, _sat_out,
-                            _store_codes, _word_scale, spec_constexprs)
-
-STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-"""Compensator state dtypes the kernels read and write (EchoConfig.state_dtype)."""
-
-TILE_ELEMS = 2048
-"""Values per tile (one program, one flag): a multiple of the group size."""
-
-STEP_ELEMS = 2048
-"""Values a program holds in registers at once: a tile larger than this goes in steps
-(a power of two, at least one group; capped at the tile)."""
+from .quant_kernels import (F32_MAX, HW_FORMS, _cast_sat, _codes, _dequant, _group_params,
+                            _load_codes, _load_f32, _sat, _sat_out, _store_codes, _word_scale)
 
 
 # ----------------------------------------------------------------------------- device helpers
@@ -311,19 +293,14 @@ def _tail_tile(t, j, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, table_ptr,
                RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr, BG: tl.constexpr,
                SG: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
                QMAX: tl.constexpr, PF: tl.constexpr, COMP: tl.constexpr,
-               SCALED: tl.constexpr, OUTPUT: tl.constexpr, USE_TIMER: tl.constexpr,
-               UPDATE_ONLY: tl.constexpr = False):
+               SCALED: tl.constexpr, OUTPUT: tl.constexpr, USE_TIMER: tl.constexpr):
     """Wait gath[j][t]; decode tile t of owner j's packet into y (+ output-residual update),
-    in steps of SG groups. UPDATE_ONLY: the deferred output-residual update after the call
-    (no wait: the call's tail already saw every flag; no y store: y = the decoded packet)."""
+    in steps of SG groups."""
     own = _buffer(table_ptr, RANK)
-    if UPDATE_ONLY:
-        ok = ep == ep
-    else:
-        flags = (own + flags_off).to(tl.pointer_type(tl.int64))
-        err_rec = tl.load(table_ptr + P).to(tl.pointer_type(tl.int64))
-        ok = wait_geq(flags + (P + j) * tiles + t, ep, flags + 2 * P * tiles, err_rec, RANK, 2,
-                      t, j, timeout, USE_TIMER)
+    flags = (own + flags_off).to(tl.pointer_type(tl.int64))
+    err_rec = tl.load(table_ptr + P).to(tl.pointer_type(tl.int64))
+    ok = wait_geq(flags + (P + j) * tiles + t, ep, flags + 2 * P * tiles, err_rec, RANK, 2,
+                  t, j, timeout, USE_TIMER)
     for c in tl.range(0, BG // SG):
         grp, gmask, e, emask = _step_ids(t, c, j, seg, groups, n, BG, SG, GS)
         emask = gated(emask, ok)
@@ -331,8 +308,7 @@ def _tail_tile(t, j, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, table_ptr,
                            SG, QUANT, QMAX)
         if SCALED:
             y32 = y32 * tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.load(fs_ptr))
-        if not UPDATE_ONLY:
-            tl.store(y_ptr + e, _cast_sat(y32, X_KIND), mask=emask)
+        tl.store(y_ptr + e, _cast_sat(y32, X_KIND), mask=emask)
         if OUTPUT:
             xp, m1, m2 = _x_prime(x_ptr, m1_ptr, m2_ptr, e, emask, eta, a, oma, X_KIND, COMP)
             yf = _as_f32_of_out(y32, X_KIND)
@@ -381,45 +357,15 @@ def tail_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, epoch_ptr, table_ptr,
                 RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr, BG: tl.constexpr,
                 SG: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
                 QMAX: tl.constexpr, PF: tl.constexpr, COMP: tl.constexpr,
-                SCALED: tl.constexpr,
-                OUTPUT: tl.constexpr, USE_TIMER: tl.constexpr, UPDATE_ONLY: tl.constexpr,
+                SCALED: tl.constexpr, OUTPUT: tl.constexpr, USE_TIMER: tl.constexpr,
                 FIRST: tl.constexpr):
     """grid (tiles, P - FIRST): program (t, i) decodes tile t of owner RANK+FIRST+i (mod P):
-    FIRST=0 every owner, own first; FIRST=1 the others (the reduce wrote the own y).
-    UPDATE_ONLY (with OUTPUT): the output-residual update alone, after the call."""
+    FIRST=0 every owner, own first; FIRST=1 the others (the reduce wrote the own y)."""
     j = (RANK + FIRST + tl.program_id(1)) % P
     _tail_tile(tl.program_id(0), j, tl.load(epoch_ptr), x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr,
                table_ptr, n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
                eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, BITS, QUANT, QMAX, PF,
-               COMP, SCALED, OUTPUT, USE_TIMER, UPDATE_ONLY)
-
-
-@triton.jit
-def tail_loop_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, epoch_ptr, table_ptr,
-                     n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
-                     eta, a, oma, b1, omb1, b2, omb2,
-                     RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr,
-                     BG: tl.constexpr, SG: tl.constexpr, GS: tl.constexpr,
-                     BITS: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr,
-                     PF: tl.constexpr, COMP: tl.constexpr, SCALED: tl.constexpr,
-                     OUTPUT: tl.constexpr, USE_TIMER: tl.constexpr, FIRST: tl.constexpr):
-    """tail_kernel as a few persistent programs (grid (G,), G small), run on a second stream
-    beside reduce_kernel: program c decodes items c, c+G, ... in tile order, item i = tile
-    i // NT of owner RANK+FIRST+(i mod NT), NT = P - FIRST, i.e.
-
-        for i in range(c, tiles * NT, G): _tail_tile(i // NT, (RANK + FIRST + i % NT) % P)
-
-    Its programs wait for tiles the reduce is still producing; being few (and the reduce's
-    programs needing no tail to finish), they never keep the reduce from the SMs."""
-    NT: tl.constexpr = P - FIRST
-    ep = tl.load(epoch_ptr)
-    i = tl.program_id(0)
-    while i < tiles * NT:
-        _tail_tile(i // NT, (RANK + FIRST + i % NT) % P, ep, x_ptr, m1_ptr, m2_ptr, y_ptr,
-                   fs_ptr, table_ptr, n, seg, groups, slot, scale_off, zero_off, flags_off,
-                   tiles, timeout, eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG,
-                   GS, BITS, QUANT, QMAX, PF, COMP, SCALED, OUTPUT, USE_TIMER)
-        i += tl.num_programs(0)
+               COMP, SCALED, OUTPUT, USE_TIMER)
 
 
 @triton.jit
@@ -536,283 +482,3 @@ def fused_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, epochs_ptr, table_ptr,
         t += G
     tl.debug_barrier()
     tl.store(epochs_ptr + c, ep)
-
-
-# ----------------------------------------------------------------------------- host side
-
-def _align(v: int, a: int) -> int:
-    return -(-v // a) * a
-
-
-@dataclass(frozen=True)
-class Layout:
-    """One rank's buffer: receive slots [P(sender)], gather slots [P(owner)], then int64 flags
-    recv [P][tiles], gath [P][tiles] and the abort word. A slot holds one segment packet:
-    codes at 0, 16-bit scale words at scale_off, fp16 zeros at zero_off (16-byte aligned
-    regions)."""
-
-    world_size: int
-    seg: int
-    groups: int
-    bg: int
-    tiles: int
-    slot: int
-    scale_off: int
-    zero_off: int
-    flags_off: int
-    nbytes: int
-
-    @classmethod
-    def build(cls, numel: int, world_size: int, spec: QuantSpec,
-              tile_elems: int = TILE_ELEMS) -> "Layout":
-        g = spec.group_size
-        seg = -(-numel // (world_size * g)) * g              # qar.segment_len
-        groups = seg // g
-        bg = max(1, tile_elems // g)
-        if bg & (bg - 1):
-            raise ValueError(f"tile_elems {tile_elems} / group_size {g} must be a power of two")
-        tiles = -(-groups // bg)
-        scale_off = _align(seg * spec.bits // 8, 16)
-        zero_off = scale_off + _align(2 * groups, 16)
-        end = zero_off + (_align(2 * groups, 16) if spec.has_zero else 0)
-        slot = _align(end, 256)
-        flags_off = 2 * world_size * slot
-        nbytes = flags_off + 8 * _align(2 * world_size * tiles + 1, 32)
-        return cls(world_size, seg, groups, bg, tiles, slot, scale_off, zero_off, flags_off,
-                   nbytes)
-
-    def flag_words(self, buf: torch.Tensor) -> torch.Tensor:
-        """The int64 flag words (recv, gath, abort) of a rank's uint8 buffer."""
-        return buf[self.flags_off:self.nbytes].view(torch.int64)
-
-    def packet(self, buf: torch.Tensor, region: int, idx: int, spec: QuantSpec):
-        """(codes, scale, zero) views of slot idx of region 0 (receive) or 1 (gather)."""
-        base = (region * self.world_size + idx) * self.slot
-        codes = buf[base:base + self.seg * spec.bits // 8]
-        scale = buf[base + self.scale_off:base + self.scale_off + 2 * self.groups]
-        zero = buf[base + self.zero_off:base + self.zero_off + 2 * self.groups] \
-            if spec.has_zero else None
-        return codes, scale.view(torch.float16), None if zero is None else zero.view(torch.float16)
-
-
-def launch(kernel, grid: tuple, args: tuple, meta: dict) -> None:
-    """kernel[grid](*args, **meta) with LAUNCH_OPTS. On CUDA, after the first launch of a
-    specialization (the JIT path), later launches go straight to the compiled kernel's own
-    launcher, skipping triton's per-call argument binding and cache lookup (host time on every
-    call of the collective: ~25 us per launch of these kernels measured on an H200 host). The
-    cache key holds every value triton specializes on (non-tensor arguments and constexprs
-    exactly; tensors by dtype and 16-byte alignment), so a hit launches the binary triton itself
-    would pick. Under TRITON_INTERPRET (no compiled kernel), with ECHO_FAST_LAUNCH=0, or while
-    triton launch hooks are installed (profilers), every launch takes the JIT path."""
-    key = None
-    if _FAST_OK and args[0].is_cuda and _no_hooks():
-        key = (kernel, args[0].get_device(),
-               *[(a.dtype, a.data_ptr() & 15) if isinstance(a, torch.Tensor) else a
-                 for a in args], *meta.values())
-        hit = _FAST.get(key)
-        if hit is not None:
-            compiled, tail, device, stream_of = hit
-            g = (*grid, 1, 1)
-            compiled.run(g[0], g[1], g[2], stream_of(device),
-                         compiled.function, compiled.packed_metadata, None, None, None,
-                         *args, *tail)
-            return
-    compiled = kernel[grid](*args, **meta, **LAUNCH_OPTS)
-    if key is not None and compiled is not None and hasattr(compiled, "packed_metadata"):
-        names = kernel.arg_names[len(args):]
-        if set(names) == set(meta) - _OPTIONS:   # the other parameters are constexprs given here
-            _FAST[key] = (compiled, tuple(meta[k] for k in names), args[0].get_device(),
-                          triton.runtime.driver.active.get_current_stream)
-
-
-def _no_hooks() -> bool:
-    """No triton launch hooks installed (None, or an empty HookChain in triton >= 3.4)."""
-    for h in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
-        if h is not None and getattr(h, "calls", True):
-            return False
-    return True
-
-
-_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas"})
-_FAST: dict = {}
-_FAST_OK = envs.fast_launch() and not getattr(knobs.runtime, "interpret", False)
-
-
-@functools.lru_cache(maxsize=1024)
-def _static_args(lay: Layout, cfg: EchoConfig, rank: int, dtype: torch.dtype, comp: bool,
-                 scaled: bool, step_elems: int = STEP_ELEMS) -> tuple:
-    """The launch arguments fixed by (layout, config, rank, dtype): built once, not per call.
-    -> (layout scalars, compensator constants, constexprs common to the kernels, extra
-    constexprs by kernel name)."""
-    spec = cfg.quant_spec()
-    k = CompensatorConstants.from_config(cfg)
-    scal = (lay.seg, lay.groups, lay.slot, lay.scale_off, lay.zero_off, lay.flags_off, lay.tiles)
-    consts = (k.eta, k.a, k.one_minus_a, k.beta1, k.one_minus_beta1, k.beta2, k.one_minus_beta2)
-    ce = spec_constexprs(spec)
-    sg = min(lay.bg, max(1, step_elems // spec.group_size))
-    if sg & (sg - 1):
-        raise ValueError(f"step_elems {step_elems} / group_size {spec.group_size} must be a "
-                         "power of two")
-    meta = dict(RANK=rank, P=lay.world_size, X_KIND=DTYPE_KIND[dtype], BG=lay.bg, SG=sg,
-                GS=ce["GS"], BITS=ce["BITS"], QUANT=ce["QUANT"])
-    local = comp and cfg.residual == "local"
-    output = comp and cfg.residual == "output"
-    per = {
-        "entry": dict(LEVELS=ce["LEVELS"], QMAX=ce["QMAX"], COMP=comp, SCALED=scaled,
-                      LOCAL=local),
-        "reduce": dict(LEVELS=ce["LEVELS"], QMAX=ce["QMAX"], COMP=comp, SCALED=scaled,
-                       LOCAL=local),
-        "tail": dict(QMAX=ce["QMAX"], PF=float(lay.world_size), COMP=comp, SCALED=scaled,
-                     OUTPUT=output),
-        "fused": dict(LEVELS=ce["LEVELS"], QMAX=ce["QMAX"], PF=float(lay.world_size), COMP=comp,
-                      SCALED=scaled, LOCAL=local, OUTPUT=output),
-    }
-    per["reduce_tail"] = per["fused"]
-    return scal, consts, meta, per
-
-
-@dataclass
-class CallPlan:
-    """Everything one rank's launches of one call need (built per call, no device sync):
-    either the three stage kernels (entry, reduce, tail: `epoch` bumped by the host) or the
-    single fused kernel (`fused`: per-program epochs bumped by the kernel)."""
-
-    rank: int
-    lay: Layout
-    cfg: EchoConfig
-    x: torch.Tensor               # [n] bf16/fp16/fp32, contiguous
-    state: CompState | None       # m1, m2 fp32 [n], updated in place
-    fs: torch.Tensor | None       # [1] fp32 backward scale factor 2^e, or None
-    epoch: torch.Tensor           # [1] int64, already bumped for this call (stage kernels);
-                                  # [G] int64 per-program epochs (fused kernel)
-    table: torch.Tensor           # [P+1] int64: the P buffers, then the error record
-    timeout: int
-    use_timer: bool
-    num_warps: int = 4
-    step_elems: int = STEP_ELEMS  # values per step of a tile (registers); see STEP_ELEMS
-    defer_output: bool = False    # residual 'output': tail/fused leave the state alone;
-                                  # `output_update` does it afterwards (on a side stream)
-
-    @functools.cached_property
-    def _parts(self):
-        st = self.state
-        scal, consts, meta, per = _static_args(self.lay, self.cfg, self.rank, self.x.dtype,
-                                               st is not None, self.fs is not None,
-                                               self.step_elems)
-        x = self.x
-        ptrs = (x, st.m1, st.m2) if st is not None else (x, x, x)
-        return ptrs, (x.numel(), *scal), consts, meta, per
-
-    def _fs(self):
-        return self.fs if self.fs is not None else self.epoch
-
-    def entry(self) -> None:
-        if self.lay.world_size == 1:
-            return
-        ptrs, scal, consts, meta, per = self._parts
-        launch(entry_kernel, (self.lay.tiles, self.lay.world_size - 1),
-               (*ptrs, self._fs(), self.epoch, self.table, *scal, *consts),
-               dict(**meta, **per["entry"], num_warps=self.num_warps))
-
-    @property
-    def own_y(self) -> bool:
-        """The reduce writes y of the own segment (from the codes in its registers) and the
-        tail decodes only the P-1 other owners' packets: a 1/P of the tail's HBM traffic moves
-        into the link-bound reduce. Not when the tail updates the output-residual state,
-        which needs every element there."""
-        per = self._parts[-1]                             # constexprs by kernel
-        return not (per["tail"]["OUTPUT"] and not self.defer_output)
-
-    def reduce(self, y: torch.Tensor) -> None:
-        ptrs, scal, consts, meta, per = self._parts
-        launch(reduce_kernel, (self.lay.tiles,),
-               (*ptrs, y, self._fs(), self.epoch, self.table, *scal, self.timeout, *consts),
-               dict(**meta, **per["reduce"], USE_TIMER=self.use_timer, OWN_Y=self.own_y,
-                    num_warps=self.num_warps))
-
-    def _deferred(self, consts: dict) -> dict:
-        return dict(consts, OUTPUT=False) if self.defer_output else consts
-
-    def tail(self, y: torch.Tensor) -> None:
-        """After reduce(y): y of the other owners' segments (and of the own one unless the
-        reduce wrote it)."""
-        ptrs, scal, consts, meta, per = self._parts
-        first = int(self.own_y)
-        launch(tail_kernel, (self.lay.tiles, self.lay.world_size - first),
-               (*ptrs, y, self._fs(), self.epoch, self.table, *scal, self.timeout, *consts),
-               dict(**meta, **self._deferred(per["tail"]), USE_TIMER=self.use_timer,
-                    UPDATE_ONLY=False, FIRST=first, num_warps=self.num_warps))
-
-    def tail_loop(self, y: torch.Tensor, programs: int) -> None:
-        """tail(y) as `programs` persistent programs (`tail_loop_kernel`), for a second
-        stream beside reduce(y): same result, its waits overlap the reduce."""
-        ptrs, scal, consts, meta, per = self._parts
-        first = int(self.own_y)
-        launch(tail_loop_kernel, (max(1, programs),),
-               (*ptrs, y, self._fs(), self.epoch, self.table, *scal, self.timeout, *consts),
-               dict(**meta, **self._deferred(per["tail"]), USE_TIMER=self.use_timer,
-                    FIRST=first, num_warps=self.num_warps))
-
-    def output_update(self) -> None:
-        """The output-residual state update of a call whose tail/fused kernel ran with
-        defer_output: u = x' - y/P (y decoded again from the gather slots, exactly as the tail
-        decoded it), m1, m2 updated. Needs the call's gather slots unchanged: the next call on
-        this workspace must not start before it (P2PBackend orders them with an event)."""
-        ptrs, scal, consts, meta, per = self._parts
-        launch(tail_kernel, (self.lay.tiles, self.lay.world_size),
-               (*ptrs, self.x, self._fs(), self.epoch, self.table, *scal, self.timeout,
-                *consts),
-               dict(**meta, **dict(per["tail"], OUTPUT=True), USE_TIMER=self.use_timer,
-                    UPDATE_ONLY=True, FIRST=0, num_warps=self.num_warps))
-
-    def reduce_tail(self, y: torch.Tensor, ticket: torch.Tensor, lag: int) -> None:
-        """reduce() then tail(y) as one overlapped launch (`reduce_tail_kernel`): the tails of
-        tile t run beside the reduces of tiles t + lag on. ticket: [2] int64, this rank's
-        counters for this layout (only ever advanced by this kernel; one per tails-per-tile
-        count, which own_y sets)."""
-        ptrs, scal, consts, meta, per = self._parts
-        tiles = self.lay.tiles
-        own = self.own_y
-        launch(reduce_tail_kernel, ((self.lay.world_size - own + 1) * tiles,),
-               (*ptrs, y, self._fs(), self.epoch, self.table, ticket, *scal, self.timeout,
-                max(0, min(lag, tiles)), *consts),
-               dict(**meta, **self._deferred(per["reduce_tail"]), USE_TIMER=self.use_timer,
-                    OWN_Y=own, num_warps=self.num_warps))
-
-    def fused(self, y: torch.Tensor, programs: int) -> None:
-        """The whole call in one launch of `programs` programs (<= epoch.numel(); the same on
-        every rank of a workspace, for its whole life)."""
-        ptrs, scal, consts, meta, per = self._parts
-        grid = max(1, min(programs, self.lay.tiles))
-        launch(fused_kernel, (grid,),
-               (*ptrs, y, self._fs(), self.epoch, self.table, *scal, self.timeout, *consts),
-               dict(**meta, **self._deferred(per["fused"]), USE_TIMER=self.use_timer,
-                    num_warps=self.num_warps))
-
-
-def local_amax(x: torch.Tensor, state: CompState | None, cfg: EchoConfig,
-               block: int = 4096) -> torch.Tensor:
-    """Per-block max |x'| of x' = x + c, fp32 [blocks] (feeds qar.grad_scale unchanged)."""
-    k = CompensatorConstants.from_config(cfg)
-    n = x.numel()
-    out = torch.empty(max(1, triton.cdiv(n, block)), dtype=torch.float32, device=x.device)
-    m1 = state.m1 if state is not None else x
-    m2 = state.m2 if state is not None else x
-    amax_kernel[(out.numel(),)](x, m1, m2, out, n, k.eta, k.a, k.one_minus_a,
-                                X_KIND=DTYPE_KIND[x.dtype], COMP=state is not None, BLOCK=block,
-                                **LAUNCH_OPTS)
-    return out
-
-
-def supported(x: torch.Tensor, cfg: EchoConfig, state: CompState | None = None) -> str | None:
-    """Why the fused kernels cannot run this call (None when they can)."""
-    if not cfg.quantized:
-        return "bits=16 is the plain all-reduce"
-    if x.dtype not in DTYPE_KIND:
-        return f"dtype {x.dtype} is not bf16/fp16/fp32"
-    if cfg.state_dtype not in STATE_DTYPES or (
-            state is not None and state.m1.dtype != STATE_DTYPES[cfg.state_dtype]):
-        return "compensator state must be fp32 or bf16, as the config says"
-    if x.dim() != 1 or not x.is_contiguous():
-        return "input must be a contiguous 1-D tensor"
-    return None

@@ -31,7 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .allreduce_kernels import _buffer, launch
+from .allreduce_kernels import _buffer
+from .launcher import launch
 from .flags import gated, signal, wait_geq
 from .quant_kernels import DTYPE_KIND, _cast_out, _load_f32
 

@@ -2,7 +2,7 @@
 
 `SimulatedFused` mirrors collective/qar.compensated_all_reduce over SimTransport: x [P, N] ->
 y [P, N], the state (m1, m2 [P, N]) updated in place, bit for bit. Each virtual rank owns a byte
-buffer laid out as on a GPU (allreduce_kernels.Layout) and a pointer table to all P buffers;
+buffer laid out as on a GPU (allreduce_plan.Layout) and a pointer table to all P buffers;
 stages run entry(all ranks) -> reduce(all) -> tail(all), so every flag a kernel waits for is
 already set. Runs wherever the kernels run: the CPU under TRITON_INTERPRET=1, or one GPU.
 """
@@ -12,7 +12,7 @@ import torch
 
 from ..compensator import CompState
 from ..config import EchoConfig, QuantSpec
-from .allreduce_kernels import STEP_ELEMS, TILE_ELEMS, CallPlan, Layout, local_amax
+from .allreduce_plan import CallPlan, Layout, local_amax
 from .flags import describe_error, new_error_buffer
 
 
@@ -22,17 +22,15 @@ class SimulatedFused:
     the state (CompState with m1, m2 [P, N]) is updated in place. Buffers, flags and epochs
     persist across calls, as on GPUs."""
 
-    def __init__(self, world_size: int, tile_elems: int = TILE_ELEMS, timeout_polls: int = 1000,
-                 step_elems: int = STEP_ELEMS, num_warps: int = 4,
-                 tail_programs: int | None = None):
+    def __init__(self, world_size: int, tile_elems: int = 2048, timeout_polls: int = 1000,
+                 step_elems: int = 2048, num_warps: int = 4):
         self.world_size = world_size
         self.tile_elems = tile_elems
+        """Values per tile (collective/routing.tile_shape picks them on GPUs)."""
         self.step_elems = step_elems
+        """Values a program holds at once (capped at the tile)."""
         self.num_warps = num_warps
         self.timeout = timeout_polls
-        self.tail_programs = tail_programs
-        """None: the tail stage as tail_kernel; else tail_loop_kernel with this many programs
-        (P2PBackend's overlap 'stream')."""
         self._ws: dict = {}
 
     def workspace(self, n: int, spec: QuantSpec, device) -> dict:
@@ -54,10 +52,8 @@ class SimulatedFused:
         return ws
 
     def __call__(self, x: torch.Tensor, cfg: EchoConfig, *, state: CompState | None,
-                 backward: bool = False, stages: tuple = ("entry", "reduce", "tail"),
-                 defer_output: bool = False):
-        """defer_output (residual 'output'): the tails leave the state alone and each rank's
-        `output_update` runs after every tail, as P2PBackend runs it on a side stream."""
+                 backward: bool = False, stages: tuple = ("entry", "reduce", "tail")):
+        """The call's stages in order, each on every rank -> y [P, N]."""
         from ..collective.qar import grad_scale
         from ..collective.simulated import SimTransport
         P, n = x.shape
@@ -69,18 +65,13 @@ class SimulatedFused:
             parts = torch.stack([local_amax(x[r], _rank_state(state, r), cfg) for r in range(P)])
             fs = grad_scale(parts, SimTransport(P))              # [P, 1]
         y = torch.empty_like(x)
-        plans = self.plans(x, cfg, state, fs, defer_output)
+        plans = self.plans(x, cfg, state, fs)
         for stage in stages:
             for r in range(P):
                 if stage == "entry":
                     plans[r].entry()
-                elif stage == "tail" and self.tail_programs:
-                    plans[r].tail_loop(y[r], self.tail_programs)
                 else:
                     getattr(plans[r], stage)(y[r])
-        if defer_output and "tail" in stages:
-            for r in range(P):
-                plans[r].output_update()
         for r in range(P):
             msg = describe_error(ws["errs"][r].cpu())
             if msg is not None:
@@ -88,7 +79,7 @@ class SimulatedFused:
         return y
 
     def plans(self, x: torch.Tensor, cfg: EchoConfig, state: CompState | None,
-              fs: torch.Tensor | None = None, defer_output: bool = False) -> list[CallPlan]:
+              fs: torch.Tensor | None = None) -> list[CallPlan]:
         """One new call: every rank's epoch bumped, its CallPlan (x [P, N]; fs [P, 1] or None)."""
         ws = self.workspace(x.shape[-1], cfg.quant_spec(), x.device)
         plans = []
@@ -99,8 +90,8 @@ class SimulatedFused:
                                   fs=None if fs is None else fs[r].contiguous(),
                                   epoch=ws["epochs"][r], table=ws["tables"][r],
                                   timeout=self.timeout, use_timer=False,
-                                  num_warps=self.num_warps, step_elems=self.step_elems,
-                                  defer_output=defer_output))
+                                  num_warps=self.num_warps,
+                                  step_elems=min(self.step_elems, self.tile_elems)))
         return plans
 
 

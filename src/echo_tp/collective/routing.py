@@ -1,0 +1,185 @@
+"""Which backend and which kernel run one all-reduce call, and why: one pure function.
+
+    route(call, mode, available, tables) -> Route
+
+`call` says what matters of the call (bytes per rank, bits, compensator state bytes, P, whether
+the p2p kernels can take the tensor at all, CUDA graph capture), `available` which fast
+backends this group has (or why not), `tables` the measurements (collective/tuning.py). Under
+mode 'auto' on an intra-node GPU group, in this order:
+
+    oneshot    messages up to the one-shot cap (16-bit, exact; any bits)
+    p2p        quantized calls from the measured crossover (never where NCCL measured faster);
+               inside graph capture uncompensated calls at every size (no launch cost there)
+    plain      every other GPU call: NCCL's all-reduce in the input dtype (exact)
+    reference  everything else (CPU tensors, groups without the fast path): the quantized
+               algorithm over torch.distributed
+
+Mode 'p2p' sends every call the kernels can take to p2p (the rest to the reference); mode
+'reference' sends all to the reference. A p2p route also fixes the kernel form ('fused': one
+kernel; 'staged': entry, reduce, tail), the tile shape and the reduce/tail overlap.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import EchoConfig
+from . import tuning
+
+BACKENDS = ("oneshot", "p2p", "plain", "reference")
+MODES = ("auto", "p2p", "reference")
+
+
+@dataclass(frozen=True)
+class Call:
+    """What routing reads of one call."""
+
+    nbytes: int               # per rank
+    numel: int
+    bits: int                 # 4, 8 or 16
+    state_bytes: int          # compensator bytes read + written per value (`state_bytes`)
+    group_size: int
+    world_size: int
+    on_gpu: bool              # x is a CUDA tensor
+    tensor_unfit: str | None  # why no fast kernel can take x (device, dtype, layout); None: fits
+    config_unfit: str | None  # why the p2p kernels cannot run cfg (bits, state dtype)
+    capturing: bool = False   # inside CUDA graph capture
+
+    @classmethod
+    def of(cls, numel: int, itemsize: int, cfg: EchoConfig, world_size: int, *,
+           on_gpu: bool, tensor_unfit: str | None = None, capturing: bool = False) -> "Call":
+        return cls(nbytes=numel * itemsize, numel=numel, bits=cfg.bits,
+                   state_bytes=state_bytes(cfg), group_size=cfg.group_size,
+                   world_size=world_size, on_gpu=on_gpu, tensor_unfit=tensor_unfit,
+                   config_unfit=config_unfit(cfg), capturing=capturing)
+
+    @property
+    def compensated(self) -> bool:
+        return self.state_bytes > 0
+
+
+@dataclass(frozen=True)
+class Route:
+    backend: str                  # one of BACKENDS
+    reason: str                   # why, with the table entry's record where one decided
+    form: str | None = None       # p2p: 'fused' | 'staged'
+    overlap: str = "off"          # staged: 'off' (reduce, then tail) | 'launch' (one kernel)
+    tile: int = 0                 # p2p: values per tile (one flag, one release)
+    step: int = 0                 # p2p: values a program holds at once
+    num_warps: int = 0
+
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+"""Input dtypes the fast kernels (p2p, one-shot) take."""
+
+STATE_DTYPES = ("float32", "bfloat16")
+"""Compensator state dtypes the p2p kernels read and write."""
+
+
+def tensor_unfit(x: torch.Tensor, device: torch.device) -> str | None:
+    """Why no fast kernel can take x on a group whose GPU is `device` (None: they can)."""
+    if x.device != device:
+        return f"x is on {x.device}, the group's GPU is {device}"
+    if x.dtype not in DTYPES:
+        return f"dtype {x.dtype}"
+    if x.dim() != 1 or not x.is_contiguous():
+        return "x is not a contiguous 1-D tensor"
+    return None
+
+
+def config_unfit(cfg: EchoConfig) -> str | None:
+    """Why the p2p kernels cannot run a call of cfg (None: they can)."""
+    if cfg.bits not in (4, 8):
+        return f"bits={cfg.bits} is the plain all-reduce"
+    if cfg.compensated and cfg.state_dtype not in STATE_DTYPES:
+        return f"state_dtype {cfg.state_dtype!r} (the kernels keep fp32 or bf16 state)"
+    return None
+
+
+def state_bytes(cfg: EchoConfig) -> int:
+    """Compensator state bytes a call reads and writes per value: 0 when uncompensated, else
+    2 (read + write) x (1 tensor if beta1 == beta2 else 2) x (2 bf16, 4 fp32, 8 fp64)."""
+    if not cfg.compensated:
+        return 0
+    size = {"bfloat16": 2, "float32": 4, "float64": 8}[cfg.state_dtype]
+    return 2 * size * (1 if cfg.beta1 == cfg.beta2 else 2)
+
+
+def route(call: Call, mode: str = "auto", available: dict[str, str | None] | None = None,
+          tables: tuning.Tables = tuning.DEFAULT) -> Route:
+    """The backend and kernel plan of `call`. available: 'oneshot' / 'p2p' -> None when this
+    group has it, else why not (missing: not built)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    available = available or {}
+    p2p_why = available.get("p2p", "not built")
+    if mode == "reference":
+        return Route("reference", "backend 'reference' was asked for")
+    if p2p_why is not None:
+        return Route("reference", f"no fast path: {p2p_why}")
+    if not call.on_gpu:
+        return Route("reference", "the tensor is not on this rank's GPU")
+    unfit = call.tensor_unfit or call.config_unfit
+    if mode == "p2p":
+        if unfit is not None:
+            return Route("reference", f"the p2p kernels cannot take it: {unfit}")
+        return p2p_route(call, tables, "backend 'p2p' was asked for")
+    if available.get("oneshot", "not built") is None and call.tensor_unfit is None:
+        cap, src = tables.oneshot_cap(call.world_size)
+        if call.nbytes <= cap:
+            return Route("oneshot", f"<= the one-shot cap {_mib(cap)} ({src})")
+    if unfit is not None:
+        return Route("plain", f"the p2p kernels cannot take it: {unfit}")
+    gate, src = tables.p2p_gate(call.world_size, call.state_bytes)
+    if call.capturing and not call.compensated:
+        return p2p_route(call, tables, "inside CUDA graph capture (no launch cost): p2p at "
+                                       "every size uncompensated")
+    if gate is None:
+        return Route("plain", f"p2p never measured faster with {call.state_bytes} state "
+                              f"bytes per value ({src})")
+    if call.nbytes < gate:
+        return Route("plain", f"below the p2p crossover {_mib(gate)} ({src})")
+    return p2p_route(call, tables, f">= the p2p crossover {_mib(gate)} ({src})")
+
+
+def p2p_route(call: Call, tables: tuning.Tables, reason: str, *, form: str | None = None,
+              overlap: str | None = None) -> Route:
+    """The kernel plan of a p2p call: form by size, tile shape by segment length, overlap as
+    measured. form ('fused' / 'staged') and overlap ('off' / 'launch'): forced instead (tests,
+    benchmarks); a fused call has no overlap."""
+    if form is None:
+        fused_max, _ = tables.fused_max_bytes.lookup(call.world_size)
+        form = "fused" if call.nbytes <= (fused_max or 0) else "staged"
+    if form not in ("fused", "staged"):
+        raise ValueError(f"form must be 'fused' or 'staged', got {form!r}")
+    fused = form == "fused"
+    seg = -(-call.numel // (call.world_size * call.group_size)) * call.group_size
+    tile, step = tile_shape(seg, call.compensated, fused, tables.shape)
+    tile = max(tile, call.group_size)
+    step = max(min(step, tile), call.group_size)
+    if overlap is None:
+        overlap = "off"
+        if not call.compensated:
+            cap, _ = tables.overlap_launch_max_bytes.lookup(call.bits)
+            if cap is None or call.nbytes <= cap:
+                overlap = "launch"
+    if overlap not in ("off", "launch"):
+        raise ValueError(f"overlap must be 'off' or 'launch', got {overlap!r}")
+    return Route("p2p", reason, form=form, overlap="off" if fused else overlap,
+                 tile=tile, step=step, num_warps=tables.shape.num_warps[fused].value)
+
+
+def tile_shape(seg: int, compensated: bool, fused: bool,
+               shape: tuning.KernelShape | None = None) -> tuple[int, int]:
+    """(values per tile, values per step) for a segment of `seg` values: the largest power of
+    two with at least tiles_per_segment tiles, between the step and tile_max."""
+    shape = shape or tuning.DEFAULT.shape
+    step = shape.step_elems[compensated].value
+    want = max(1, seg // shape.tiles_per_segment[fused].value)
+    tile = 1 << (want.bit_length() - 1)                    # power of two <= want
+    return min(max(tile, step), shape.tile_max.value), step
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):g} MiB"

@@ -1,0 +1,231 @@
+"""Host side of the fused all-reduce kernels: one rank's buffer layout and the per-call plan.
+
+`Layout` places a call's receive slots, gather slots and flags in one rank's byte buffer;
+`CallPlan` holds everything one rank's launches of one call need and launches the kernels of
+kernels/allreduce_kernels.py (entry, reduce, tail; reduce_tail; fused) through
+kernels/launcher.py. Which of them a call runs, with which tile: collective/routing.py.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from ..compensator import CompState
+from ..config import CompensatorConstants, EchoConfig, QuantSpec
+from .allreduce_kernels import (amax_kernel, entry_kernel, fused_kernel, reduce_kernel,
+                                reduce_tail_kernel, tail_kernel)
+from .launcher import launch
+from .quant_kernels import DTYPE_KIND, LAUNCH_OPTS, spec_constexprs
+
+STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+"""Compensator state dtypes the kernels read and write (EchoConfig.state_dtype)."""
+
+
+def _align(v: int, a: int) -> int:
+    return -(-v // a) * a
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One rank's buffer: receive slots [P(sender)], gather slots [P(owner)], then int64 flags
+    recv [P][tiles], gath [P][tiles] and the abort word. A slot holds one segment packet:
+    codes at 0, 16-bit scale words at scale_off, fp16 zeros at zero_off (16-byte aligned
+    regions)."""
+
+    world_size: int
+    seg: int
+    groups: int
+    bg: int
+    tiles: int
+    slot: int
+    scale_off: int
+    zero_off: int
+    flags_off: int
+    nbytes: int
+
+    @classmethod
+    def build(cls, numel: int, world_size: int, spec: QuantSpec,
+              tile_elems: int) -> "Layout":
+        g = spec.group_size
+        seg = -(-numel // (world_size * g)) * g              # qar.segment_len
+        groups = seg // g
+        bg = max(1, tile_elems // g)
+        if bg & (bg - 1):
+            raise ValueError(f"tile_elems {tile_elems} / group_size {g} must be a power of two")
+        tiles = -(-groups // bg)
+        scale_off = _align(seg * spec.bits // 8, 16)
+        zero_off = scale_off + _align(2 * groups, 16)
+        end = zero_off + (_align(2 * groups, 16) if spec.has_zero else 0)
+        slot = _align(end, 256)
+        flags_off = 2 * world_size * slot
+        nbytes = flags_off + 8 * _align(2 * world_size * tiles + 1, 32)
+        return cls(world_size, seg, groups, bg, tiles, slot, scale_off, zero_off, flags_off,
+                   nbytes)
+
+    def flag_words(self, buf: torch.Tensor) -> torch.Tensor:
+        """The int64 flag words (recv, gath, abort) of a rank's uint8 buffer."""
+        return buf[self.flags_off:self.nbytes].view(torch.int64)
+
+    def packet(self, buf: torch.Tensor, region: int, idx: int, spec: QuantSpec):
+        """(codes, scale, zero) views of slot idx of region 0 (receive) or 1 (gather)."""
+        base = (region * self.world_size + idx) * self.slot
+        codes = buf[base:base + self.seg * spec.bits // 8]
+        scale = buf[base + self.scale_off:base + self.scale_off + 2 * self.groups]
+        zero = buf[base + self.zero_off:base + self.zero_off + 2 * self.groups] \
+            if spec.has_zero else None
+        return codes, scale.view(torch.float16), None if zero is None else zero.view(torch.float16)
+
+
+@functools.lru_cache(maxsize=1024)
+def _static_args(lay: Layout, cfg: EchoConfig, rank: int, dtype: torch.dtype, comp: bool,
+                 scaled: bool, step_elems: int) -> tuple:
+    """The launch arguments fixed by (layout, config, rank, dtype): built once, not per call.
+    -> (layout scalars, compensator constants, constexprs common to the kernels, extra
+    constexprs by kernel name)."""
+    spec = cfg.quant_spec()
+    k = CompensatorConstants.from_config(cfg)
+    scal = (lay.seg, lay.groups, lay.slot, lay.scale_off, lay.zero_off, lay.flags_off, lay.tiles)
+    consts = (k.eta, k.a, k.one_minus_a, k.beta1, k.one_minus_beta1, k.beta2, k.one_minus_beta2)
+    ce = spec_constexprs(spec)
+    sg = min(lay.bg, max(1, step_elems // spec.group_size))
+    if sg & (sg - 1):
+        raise ValueError(f"step_elems {step_elems} / group_size {spec.group_size} must be a "
+                         "power of two")
+    meta = dict(RANK=rank, P=lay.world_size, X_KIND=DTYPE_KIND[dtype], BG=lay.bg, SG=sg,
+                GS=ce["GS"], BITS=ce["BITS"], QUANT=ce["QUANT"])
+    local = comp and cfg.residual == "local"
+    output = comp and cfg.residual == "output"
+    per = {
+        "entry": dict(LEVELS=ce["LEVELS"], QMAX=ce["QMAX"], COMP=comp, SCALED=scaled,
+                      LOCAL=local),
+        "reduce": dict(LEVELS=ce["LEVELS"], QMAX=ce["QMAX"], COMP=comp, SCALED=scaled,
+                       LOCAL=local),
+        "tail": dict(QMAX=ce["QMAX"], PF=float(lay.world_size), COMP=comp, SCALED=scaled,
+                     OUTPUT=output),
+        "fused": dict(LEVELS=ce["LEVELS"], QMAX=ce["QMAX"], PF=float(lay.world_size), COMP=comp,
+                      SCALED=scaled, LOCAL=local, OUTPUT=output),
+    }
+    per["reduce_tail"] = per["fused"]
+    return scal, consts, meta, per
+
+
+@dataclass
+class CallPlan:
+    """Everything one rank's launches of one call need (built per call, no device sync):
+    either the stage kernels (entry, reduce, tail or reduce_tail: `epoch` bumped by the host)
+    or the single fused kernel (`fused`: per-program epochs bumped by the kernel)."""
+
+    rank: int
+    lay: Layout
+    cfg: EchoConfig
+    x: torch.Tensor               # [n] bf16/fp16/fp32, contiguous
+    state: CompState | None       # m1, m2 [n] fp32 or bf16 (m2 may be m1), updated in place
+    fs: torch.Tensor | None       # [1] fp32 backward scale factor 2^e, or None
+    epoch: torch.Tensor           # [1] int64, already bumped for this call (stage kernels);
+                                  # [G] int64 per-program epochs (fused kernel)
+    table: torch.Tensor           # [P+1] int64: the P buffers, then the error record
+    timeout: int
+    use_timer: bool
+    num_warps: int                # warps per program
+    step_elems: int               # values per step of a tile (what a program holds at once)
+
+    @functools.cached_property
+    def _parts(self):
+        st = self.state
+        scal, consts, meta, per = _static_args(self.lay, self.cfg, self.rank, self.x.dtype,
+                                               st is not None, self.fs is not None,
+                                               self.step_elems)
+        x = self.x
+        ptrs = (x, st.m1, st.m2) if st is not None else (x, x, x)
+        return ptrs, (x.numel(), *scal), consts, meta, per
+
+    def _fs(self):
+        return self.fs if self.fs is not None else self.epoch
+
+    def entry(self) -> None:
+        if self.lay.world_size == 1:
+            return
+        ptrs, scal, consts, meta, per = self._parts
+        launch(entry_kernel, (self.lay.tiles, self.lay.world_size - 1),
+               (*ptrs, self._fs(), self.epoch, self.table, *scal, *consts),
+               dict(**meta, **per["entry"], num_warps=self.num_warps))
+
+    @property
+    def own_y(self) -> bool:
+        """The reduce writes y of the own segment (from the codes in its registers) and the
+        tail decodes only the P-1 other owners' packets: a 1/P of the tail's HBM traffic moves
+        into the link-bound reduce. Not when the tail updates the output-residual state,
+        which needs every element there."""
+        return not self._parts[-1]["tail"]["OUTPUT"]
+
+    def reduce(self, y: torch.Tensor) -> None:
+        ptrs, scal, consts, meta, per = self._parts
+        launch(reduce_kernel, (self.lay.tiles,),
+               (*ptrs, y, self._fs(), self.epoch, self.table, *scal, self.timeout, *consts),
+               dict(**meta, **per["reduce"], USE_TIMER=self.use_timer, OWN_Y=self.own_y,
+                    num_warps=self.num_warps))
+
+    def tail(self, y: torch.Tensor) -> None:
+        """After reduce(y): y of the other owners' segments (and of the own one unless the
+        reduce wrote it)."""
+        ptrs, scal, consts, meta, per = self._parts
+        first = int(self.own_y)
+        launch(tail_kernel, (self.lay.tiles, self.lay.world_size - first),
+               (*ptrs, y, self._fs(), self.epoch, self.table, *scal, self.timeout, *consts),
+               dict(**meta, **per["tail"], USE_TIMER=self.use_timer, FIRST=first,
+                    num_warps=self.num_warps))
+
+    def reduce_tail(self, y: torch.Tensor, ticket: torch.Tensor, lag: int) -> None:
+        """reduce() then tail(y) as one overlapped launch (`reduce_tail_kernel`): the tails of
+        tile t run beside the reduces of tiles t + lag on. ticket: [2] int64, this rank's
+        counters for this layout (only ever advanced by this kernel; one per tails-per-tile
+        count, which own_y sets)."""
+        ptrs, scal, consts, meta, per = self._parts
+        tiles = self.lay.tiles
+        own = self.own_y
+        launch(reduce_tail_kernel, ((self.lay.world_size - own + 1) * tiles,),
+               (*ptrs, y, self._fs(), self.epoch, self.table, ticket, *scal, self.timeout,
+                max(0, min(lag, tiles)), *consts),
+               dict(**meta, **per["reduce_tail"], USE_TIMER=self.use_timer, OWN_Y=own,
+                    num_warps=self.num_warps))
+
+    def fused(self, y: torch.Tensor, programs: int) -> None:
+        """The whole call in one launch of `programs` programs (<= epoch.numel(); the same on
+        every rank of a workspace, for its whole life)."""
+        ptrs, scal, consts, meta, per = self._parts
+        grid = max(1, min(programs, self.lay.tiles))
+        launch(fused_kernel, (grid,),
+               (*ptrs, y, self._fs(), self.epoch, self.table, *scal, self.timeout, *consts),
+               dict(**meta, **per["fused"], USE_TIMER=self.use_timer,
+                    num_warps=self.num_warps))
+
+
+def local_amax(x: torch.Tensor, state: CompState | None, cfg: EchoConfig,
+               block: int = 4096) -> torch.Tensor:
+    """Per-block max |x'| of x' = x + c, fp32 [blocks] (feeds qar.grad_scale unchanged)."""
+    k = CompensatorConstants.from_config(cfg)
+    n = x.numel()
+    out = torch.empty(max(1, triton.cdiv(n, block)), dtype=torch.float32, device=x.device)
+    m1 = state.m1 if state is not None else x
+    m2 = state.m2 if state is not None else x
+    amax_kernel[(out.numel(),)](x, m1, m2, out, n, k.eta, k.a, k.one_minus_a,
+                                X_KIND=DTYPE_KIND[x.dtype], COMP=state is not None, BLOCK=block,
+                                **LAUNCH_OPTS)
+    return out
+
+
+def supported(x: torch.Tensor, cfg: EchoConfig, state: CompState | None = None) -> str | None:
+    """Why the fused kernels cannot run this call (None when they can)."""
+    if not cfg.quantized:
+        return "bits=16 is the plain all-reduce"
+    if x.dtype not in DTYPE_KIND:
+        return f"dtype {x.dtype} is not bf16/fp16/fp32"
+    if cfg.state_dtype not in STATE_DTYPES or (
+            state is not None and state.m1.dtype != STATE_DTYPES[cfg.state_dtype]):
+        return "compensator state must be fp32 or bf16, as the config says"
+    if x.dim() != 1 or not x.is_contiguous():
+        return "input must be a contiguous 1-D tensor"
+    return None

@@ -1,0 +1,238 @@
+"""The routing policy (collective/routing.route) on the CPU: the decisions that matter, read
+against the measured tables (collective/tuning.py), not restated from them.
+
+  * never slower than the 16-bit path where measured: below a measured crossover no eager call
+    takes p2p, from it every one does; a state size never measured faster stays on NCCL;
+  * graph capture: uncompensated calls take p2p at every size past the one-shot cap (under
+    'auto' the fused kernel thus runs only for captured uncompensated calls between the
+    one-shot cap and the fused cap), compensated ones route as eagerly;
+  * fallbacks carry their reason (no fast path, CPU tensors, unfit tensors or configs) and the
+    dispatcher logs each decision once;
+  * kernel plans: fused up to the fused cap, staged above; reduce/tail overlap only where
+    measured (never compensated); tiles powers of two within the table's bounds;
+  * every table entry names a record that exists in docs/results; the two user overrides.
+Look first at collective/routing.route when a decision test fails, at collective/tuning.py
+when a table test does.
+"""
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from echo_tp.collective import routing, tuning
+from echo_tp.collective.dispatch import Dispatcher, build_dispatcher
+from echo_tp.collective.routing import Call, route
+from echo_tp.config import EchoConfig
+from harness import two_timescale
+
+MiB = 1 << 20
+FAST = {"p2p": None, "oneshot": None}               # an intra-node GPU group with both
+SIZES = [1 << k for k in range(10, 32)] + [3 * MiB + 5, 65 * MiB - 2]
+UNCOMP = two_timescale(bits=4, eta=0.0)
+DEFAULT = EchoConfig()                              # one bf16 state tensor
+FP32_PAIR = EchoConfig(beta1=0.7, beta2=0.3, state_dtype="float32")
+
+
+def call(nbytes: int, cfg: EchoConfig = DEFAULT, P: int = 2, **kw) -> Call:
+    kw.setdefault("on_gpu", True)
+    return Call.of(nbytes // 2, 2, cfg, P, **kw)     # bf16
+
+
+def test_never_p2p_below_a_measured_crossover_always_from_it():
+    for (P, sb), m in tuning.P2P_MIN_BYTES.entries.items():
+        cfg = {0: UNCOMP, 4: DEFAULT, 8: EchoConfig(beta1=0.7, beta2=0.3), 16: FP32_PAIR}[sb]
+        assert routing.state_bytes(cfg) == sb
+        for n in SIZES:
+            r = route(call(n, cfg, P), "auto", FAST)
+            fast = m.value is not None and n >= m.value
+            assert (r.backend == "p2p") == fast, (P, sb, n, r)
+            if not fast:
+                assert r.backend in ("oneshot", "plain"), r        # exact 16-bit paths
+                assert m.source in r.reason or "one-shot" in r.reason, r
+
+
+def test_unmeasured_world_sizes_read_p2_and_unmeasured_states_stay_on_nccl():
+    for P in (3, 4, 8):
+        gate = tuning.P2P_MIN_BYTES.entries[(2, 0)].value
+        assert route(call(gate, UNCOMP, P), "auto", FAST).backend == "p2p"
+        assert route(call(gate // 2, UNCOMP, P), "auto", FAST).backend != "p2p"
+    fp64 = EchoConfig(state_dtype="float64")              # no kernel keeps an fp64 state
+    r = route(call(1 << 30, fp64), "auto", FAST)
+    assert r.backend == "plain" and "float64" in r.reason
+    one_fp32 = EchoConfig(state_dtype="float32")          # 8 bytes: measured at P=2
+    assert route(call(1 << 30, one_fp32, 4), "auto", FAST).backend == "p2p"
+
+
+def test_oneshot_takes_small_messages_of_any_bits():
+    cap = tuning.ONESHOT_MAX_BYTES.entries[2].value
+    for cfg in (DEFAULT, UNCOMP, EchoConfig(bits=16), EchoConfig(bits=8)):
+        assert route(call(cap, cfg), "auto", FAST).backend == "oneshot"
+        assert route(call(cap + 2, cfg), "auto", FAST).backend != "oneshot"
+    assert route(call(2 * MiB, P=8), "auto", FAST).backend == "plain"   # unmeasured P: 1 MiB
+    no_one = {"p2p": None, "oneshot": "one-shot cap 0"}
+    assert route(call(4096), "auto", no_one).backend == "plain"
+    assert route(call(1 << 30, EchoConfig(bits=16)), "auto", FAST).backend == "plain"
+
+
+def test_graph_capture_takes_p2p_uncompensated_at_every_size():
+    cap = tuning.ONESHOT_MAX_BYTES.entries[2].value
+    fused_max = tuning.FUSED_MAX_BYTES.entries[2].value
+    eager_fused = set()
+    for n in SIZES:
+        eager = route(call(n, UNCOMP), "auto", FAST)
+        cap_r = route(call(n, UNCOMP, capturing=True), "auto", FAST)
+        want = "oneshot" if n <= cap else "p2p"
+        assert cap_r.backend == want, (n, cap_r)
+        if eager.form == "fused":
+            eager_fused.add(n)
+        if cap_r.form == "fused":
+            assert cap < n <= fused_max
+        for cfg in (DEFAULT, FP32_PAIR):                   # compensated: as eagerly
+            assert route(call(n, cfg, capturing=True), "auto", FAST).backend == \
+                route(call(n, cfg), "auto", FAST).backend
+    assert not eager_fused            # at P=2 eager 'auto' never reaches the fused kernel
+
+
+def test_fallbacks_name_their_reason():
+    r = route(call(1 << 30), "auto", {"p2p": "the group spans several nodes"})
+    assert r.backend == "reference" and "several nodes" in r.reason
+    r = route(call(1 << 30, on_gpu=False), "auto", FAST)
+    assert r.backend == "reference" and "GPU" in r.reason
+    r = route(call(1 << 30, tensor_unfit="x is not a contiguous 1-D tensor"), "auto", FAST)
+    assert r.backend == "plain" and "contiguous" in r.reason
+    r = route(call(1 << 30), "reference", FAST)
+    assert r.backend == "reference" and "'reference'" in r.reason
+    with pytest.raises(ValueError, match="mode"):
+        route(call(1024), "fastest", FAST)
+
+
+def test_forced_p2p_takes_every_call_its_kernels_can():
+    for n in SIZES:
+        for cfg in (DEFAULT, UNCOMP, FP32_PAIR):
+            r = route(call(n, cfg), "p2p", FAST)
+            assert r.backend == "p2p" and r.form in ("fused", "staged"), (n, r)
+    assert route(call(4096, EchoConfig(bits=16)), "p2p", FAST).backend == "reference"
+    assert route(call(4096, tensor_unfit="dtype torch.int8"), "p2p", FAST).backend == \
+        "reference"
+
+
+def test_kernel_plans():
+    fused_max = tuning.FUSED_MAX_BYTES.entries[2].value
+    shape = tuning.DEFAULT.shape
+    for n in SIZES:
+        for cfg in (DEFAULT, UNCOMP, two_timescale(bits=8, eta=0.0)):
+            r = route(call(n, cfg), "p2p", FAST)
+            assert r.form == ("fused" if n <= fused_max else "staged"), (n, r)
+            assert r.num_warps == shape.num_warps[r.form == "fused"].value
+            if r.form == "fused" or cfg.compensated:
+                assert r.overlap == "off", (n, r)
+            else:
+                cap, _ = tuning.OVERLAP_LAUNCH_MAX_BYTES.lookup(cfg.bits)
+                assert r.overlap == ("launch" if cap is None or n <= cap else "off"), (n, r)
+            assert r.tile & (r.tile - 1) == 0 and r.step <= r.tile
+            assert r.tile <= max(r.step, shape.tile_max.value) and r.tile >= cfg.group_size
+    forced = routing.p2p_route(call(1 << 30), tuning.DEFAULT, "t", form="fused")
+    assert forced.form == "fused" and forced.overlap == "off"
+    with pytest.raises(ValueError, match="overlap"):
+        routing.p2p_route(call(1 << 30, UNCOMP), tuning.DEFAULT, "t", overlap="stream")
+
+
+def test_tile_shape_by_segment_length():
+    """Powers of two between the step and tile_max, at least tiles_per_segment of them where
+    the segment allows; larger segments never get smaller tiles."""
+    shape = tuning.DEFAULT.shape
+    for comp in (False, True):
+        for fused in (False, True):
+            prev = 0
+            for seg in (1, 777, 100_000, 3_000_017, 16 << 20, 1 << 30):
+                tile, step = routing.tile_shape(seg, comp, fused)
+                assert step == shape.step_elems[comp].value
+                assert tile & (tile - 1) == 0 and step <= tile <= max(step, shape.tile_max.value)
+                assert tile == step or seg // tile >= shape.tiles_per_segment[fused].value
+                assert tile >= prev
+                prev = tile
+
+
+def test_every_table_entry_names_an_existing_record():
+    results = Path(__file__).resolve().parents[1] / "docs" / "results"
+    entries = tuning.entries()
+    assert len(entries) >= 15
+    for name, m in entries:
+        assert (results / m.source).is_file(), (name, m.source)
+        assert m.measured, name
+
+
+def test_user_overrides(monkeypatch):
+    from echo_tp import envs
+    t = tuning.DEFAULT.with_overrides(p2p_min_bytes=0, oneshot_max_bytes=0)
+    assert route(call(4096, FP32_PAIR), "auto", FAST, t).backend == "p2p"
+    assert "ECHO_P2P_MIN_BYTES" in route(call(4096, FP32_PAIR), "auto", FAST, t).reason
+    for flag, read in (("ECHO_P2P_MIN_BYTES", envs.p2p_min_bytes),
+                       ("ECHO_ONESHOT_MAX_BYTES", envs.oneshot_max_bytes)):
+        monkeypatch.delenv(flag, raising=False)
+        assert read() is None
+        monkeypatch.setenv(flag, "123")
+        assert read() == 123
+        monkeypatch.setenv(flag, "-3")
+        with pytest.raises(ValueError, match=flag):
+            read()
+
+
+def test_state_bytes():
+    sb = routing.state_bytes
+    assert sb(UNCOMP) == 0
+    assert sb(FP32_PAIR) == 16                              # fp32 m1 + m2, read + write
+    assert sb(EchoConfig(beta1=0.7, beta2=0.3)) == 8        # bf16 pair
+    assert sb(EchoConfig(state_dtype="float32")) == 8       # one fp32 tensor
+    assert sb(DEFAULT) == 4                                 # the default: one bf16 tensor
+
+
+class _Recorder:
+    def __init__(self, name):
+        self.name, self.calls = name, []
+
+    def run(self, x, cfg, *, state, backward, record, inplace=False, route=None):
+        self.calls.append(route)
+        return x, None
+
+    def close(self):
+        pass
+
+
+def test_dispatcher_routes_caches_and_logs_once(caplog):
+    backends = {n: _Recorder(n) for n in ("reference", "plain", "p2p")}
+    d = Dispatcher(backends, 2, mode="auto", available={"p2p": None, "oneshot": "off"},
+                   device=torch.device("cpu"))
+    x = torch.zeros(1024, dtype=torch.bfloat16)   # a CPU tensor: routed to the reference
+    with caplog.at_level("INFO", logger="echo_tp.collective.dispatch"):
+        for _ in range(3):
+            d.run(x, DEFAULT, state=None, backward=False, record=False)
+    assert len(backends["reference"].calls) == 3 and d.last_backend == "reference"
+    assert sum("-> reference" in m for m in caplog.messages) == 1
+    assert len(d._routes) == 1
+    assert "not on this rank's GPU" in d.last_route.reason
+    only = Dispatcher({"reference": backends["reference"]}, 2)   # no routing at all
+    only.run(x, DEFAULT, state=None, backward=False, record=False)
+    assert backends["reference"].calls[-1] is None and only.last_route is None
+
+
+@pytest.fixture
+def gloo_world():
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_auto_on_cpu_is_the_reference(gloo_world, monkeypatch):
+    monkeypatch.delenv("ECHO_BACKEND", raising=False)
+    d = build_dispatcher(None, "auto")
+    assert list(d.backends) == ["reference"]
+    assert isinstance(d.available["p2p"], str) and d.available["p2p"]    # the reason
+    with pytest.raises(RuntimeError, match="p2p.*unavailable"):
+        build_dispatcher(None, "p2p")
+    with pytest.raises(ValueError):
+        build_dispatcher(None, "fastest")
+    monkeypatch.setenv("ECHO_BACKEND", "reference")
+    assert build_dispatcher(None, "auto").mode == "reference"
