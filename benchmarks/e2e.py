@@ -295,7 +295,7 @@ def main() -> None:
                     choices=["prefill", "decode", "decode-graph", "train"])
     ap.add_argument("--order", nargs="+", default=list(COMMS), choices=list(COMMS),
                     help="the communicators timed, in this order (nccl16 is needed: the baseline)")
-    ap.add_argument("--out", type=Path, default=Path("docs/results"))
+    ap.add_argument("--out", type=Path, default=Path("docs/results/raw"))
     ap.add_argument("--phase-log", action="store_true",
                     help="rank 0 prints each timed phase's wall-clock window (JSON lines)")
     ap.add_argument("--call-times", action="store_true",
