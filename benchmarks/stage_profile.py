@@ -89,6 +89,22 @@ def stage_times(P: int, n: int, name: str, tile: int, warps: int, reps: int,
     return out
 
 
+def copy_baseline(nbytes: int, reps: int, dev: str = "cuda") -> dict:
+    """HBM roofline of this GPU in the same run: a device-to-device copy of nbytes, median of
+    reps; read + write bytes per second."""
+    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev).normal_()
+    b = torch.empty_like(a)
+    b.copy_(a)
+    times = []
+    for _ in range(reps):
+        stop = _timer(dev)
+        b.copy_(a)
+        times.append(stop())
+    ms = statistics.median(times)
+    return {"copy_bytes": nbytes, "copy_ms": round(ms, 4),
+            "copy_GBps": round(2 * nbytes / ms / 1e6, 1)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="out")
@@ -105,6 +121,8 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     t_end = time.time() + args.budget_s
     rows = []
+    base = copy_baseline(2 * args.numel, args.reps, args.device)
+    print(json.dumps(base), flush=True)
     for P in map(int, args.worlds.split(",")):
         for name in args.configs.split(","):
             for shape in args.shapes.split(","):
@@ -127,7 +145,7 @@ def main() -> None:
                     torch.cuda.empty_cache()
     name = torch.cuda.get_device_name() if args.device != "cpu" else "cpu (interpreter)"
     with open(os.path.join(args.out, f"stages-{args.label}.json"), "w") as f:
-        json.dump({"device": name, "torch": torch.__version__,
+        json.dump({"device": name, "torch": torch.__version__, "copy": base,
                    "rows": rows}, f, indent=1)
 
 

@@ -234,8 +234,9 @@ class SimulatedCommunicator(EchoCommunicator):
     def __init__(self, world_size: int, config: EchoConfig | None = None, *,
                  telemetry: bool = False):
         from .collective.dispatch import TransportBackend
-        super().__init__(Dispatcher([TransportBackend(SimTransport(world_size))], world_size),
-                         config, telemetry=telemetry)
+        ref = TransportBackend(SimTransport(world_size))
+        super().__init__(Dispatcher({"reference": ref}, world_size), config,
+                         telemetry=telemetry)
 
     def all_reduce_list(self, xs: list[torch.Tensor], **kw) -> torch.Tensor:
         """The P partial tensors as a list -> their (same-for-all) sum, shaped like xs[0]."""

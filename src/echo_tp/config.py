@@ -103,9 +103,8 @@ class EchoConfig:
     quantizer: str = "zero_aware"
     """Group quantizer policy: 'zero_aware', 'naive' or 'symmetric' (SPEC §3)."""
     eta: float = 1.0
-    """Compensator gain; 0 disables compensation (SPEC §4). The paper uses 0.75; 1.0 with the
-    local residual closed the most of the 4-bit perplexity gap in our measurements
-    (docs/results/2026-11-29-studies.md), and it is the gain at which Theorem 1's bound holds."""
+    """Compensator gain; 0 disables compensation (SPEC §4). The paper uses 0.75; 1.0 (the gain at
+    which Theorem 1's bound holds) was chosen by measurement: docs/results/2026-11-29-studies.md."""
     a: float = 0.35
     """Blend between the fast (m1) and slow (m2) averages (no effect when beta1 == beta2)."""
     beta1: float = 0.0
@@ -113,18 +112,17 @@ class EchoConfig:
     beta2: float = 0.0
     """Decay of the slow average m2 (the paper: 0.3). Default beta1 = beta2 = 0: m1 = m2 = the
     last residual u (single-step error feedback, Theorem 1's smallest bound, mu_w = 0), one
-    state tensor instead of two. It closed as much of the 4-bit gap as the paper's two
-    timescales on both models we measured (demo model 66% vs 61%; 107M model 64-65% vs 64%) and
-    trained alike (docs/results/2026-11-30-compact-state.md). The paper's pair: 'echo4-2ts'."""
+    state tensor instead of two; chosen by measurement: docs/results/2026-11-30-compact-state.md.
+    The paper's pair: preset 'echo4-2ts'."""
     residual: str = "local"
     """'local' (default): u from this rank's own rounding errors, the state stays at rounding
     scale; 'output': the paper's u = x' - y/P (docs/results/2026-11-29-studies.md compares)."""
     grad_scaling: bool = True
     """Backward pass: scale x' by a group-shared power of two before quantizing (SPEC §5)."""
     state_dtype: str = "bfloat16"
-    """dtype of the compensator state m1, m2 (SPEC §4: float32). bf16 by default: same
-    perplexity in our measurements, and on NVLink the state's HBM traffic decides the fused
-    kernels' speed (2 H200s, 1 GiB: one bf16 tensor 1.8x NCCL, fp32 pair 1.0x)."""
+    """dtype of the compensator state m1, m2 (SPEC §4: float32). bf16 by default: fp32
+    arithmetic, one rounding per store, a quarter of the fp32 pair's state traffic, which decides
+    the fused kernels' speed (docs/results/2026-11-30-compact-state.md, -p2p-x2-r4.md)."""
 
     def __post_init__(self) -> None:
         check_bits(self.bits)

@@ -1,6 +1,15 @@
 """Every environment flag of echo-tp, in one place, prefixed ECHO_, typed, read on demand.
 
-A bad value raises ValueError naming the flag and what it accepts.
+    ECHO_BACKEND              auto | reference | p2p       (communicators built with 'auto')
+    ECHO_P2P_MIN_BYTES        bytes                        (overrides the p2p crossover table)
+    ECHO_ONESHOT_MAX_BYTES    bytes, 0 = off               (overrides the one-shot cap table)
+    ECHO_FLAG_TIMEOUT_S       seconds, default 5           (p2p / one-shot flag waits)
+    ECHO_COLLECTIVE_TIMEOUT_S seconds, default 300         (collectives of echo-tp's groups)
+    ECHO_DEBUG_CHECKS         0 | 1                        (check every call's signature)
+    ECHO_CLI_TRACEBACK        0 | 1                        (the CLI prints tracebacks)
+
+All are for users (the README's table); test-only switches are fixtures or arguments. A bad
+value raises ValueError naming the flag and what it accepts.
 """
 from __future__ import annotations
 
