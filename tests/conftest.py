@@ -7,6 +7,8 @@ def torch_quantizer(monkeypatch):
     """The reference all-reduce quantizes with quant.py (pure torch) on CUDA too, instead of the
     bit-identical Triton quantizer it picks there: GPU tests then hold the fused kernels to the
     torch reference itself."""
+    import importlib
+
     from echo_tp import quant
-    from echo_tp.collective import qar
+    qar = importlib.import_module("echo_tp.collective.qar")   # the module, not the function
     monkeypatch.setattr(qar, "codec_for", lambda x: quant)

@@ -91,8 +91,9 @@ def exactness_worker(rank: int, world: int, cases=CASES, calls: int = 3, group=N
     """On one rank: every case through p2p and the reference; mismatch counts per tensor.
     form 'fused' / 'staged': that kernel form for every call; None: by size. overlap: the
     stage kernels' reduce and tail, 'off' or 'launch' (None: as measured)."""
+    import importlib
+
     from echo_tp import quant
-    from echo_tp.collective import qar
     from echo_tp.collective.dispatch import TransportBackend
     from echo_tp.collective.p2p import P2PBackend
     from echo_tp.collective.reference import DistTransport
@@ -101,6 +102,7 @@ def exactness_worker(rank: int, world: int, cases=CASES, calls: int = 3, group=N
     reason = fast_path_unavailable_reason(group)
     if reason is not None:
         return [{"error": reason}]
+    qar = importlib.import_module("echo_tp.collective.qar")   # the module, not the function
     qar.codec_for = lambda x: quant        # the reference quantizes with quant.py (torch)
     p2p = P2PBackend(group)
     calls = int(os.environ.get("ECHO_TEST_CALLS", calls))
