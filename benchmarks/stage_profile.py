@@ -50,7 +50,8 @@ def _timer(dev: str):
 
 
 def stage_times(P: int, n: int, name: str, tile: int, warps: int, reps: int,
-                dev: str = "cuda", step: int | None = None) -> dict:
+                dev: str = "cuda", step: int | None = None,
+                stages: int | None = None) -> dict:
     from echo_tp.compensator import CompState
     from echo_tp.config import EchoConfig
     from echo_tp.kernels.simulated_fused import SimulatedFused
@@ -59,7 +60,7 @@ def stage_times(P: int, n: int, name: str, tile: int, warps: int, reps: int,
     cfg = EchoConfig(bits=bits, eta=1.0 if resid else 0.0, residual=resid or "local",
                      state_dtype=sdt, **betas)
     sim = SimulatedFused(P, tile_elems=tile, timeout_polls=10**7, step_elems=step or tile,
-                         num_warps=warps)
+                         num_warps=warps, num_stages=stages)
     x = torch.randn(P, n, device=dev, dtype=torch.bfloat16)
     st = CompState.zeros((P, n), dev, getattr(torch, sdt), compact=compact) \
         if cfg.compensated else None
@@ -71,7 +72,7 @@ def stage_times(P: int, n: int, name: str, tile: int, warps: int, reps: int,
     if dev != "cpu":
         torch.cuda.synchronize()
     out = {"P": P, "numel": n, "config": name, "tile": tile, "warps": warps,
-           "step": step or tile}
+           "step": step or tile, "num_stages": stages}
     tail_share = n * (P - 1) / P if plans[0].own_y else n     # the reduce wrote the own y
     share = {"entry": n * (P - 1) / P, "reduce": n / P, "tail": tail_share}
     for stage in ("entry", "reduce", "tail"):
@@ -113,7 +114,8 @@ def main() -> None:
     ap.add_argument("--worlds", default="2,4")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--shapes", default="1024x4,2048x4,2048x8,4096x4",
-                    help="TILExWARPS[sSTEP] (values per tile x warps, values per step)")
+                    help="TILExWARPS[sSTEP][nSTAGES] (values per tile x warps, values per "
+                         "step, triton pipelining depth)")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--budget-s", type=float, default=240)
     ap.add_argument("--device", default="cuda", help="'cpu': a dry run under TRITON_INTERPRET")
@@ -130,11 +132,12 @@ def main() -> None:
                     print("budget spent; stopping", flush=True)
                     break
                 tile, rest = shape.split("x")
+                rest, _, stages = rest.partition("n")
                 warps, _, step = rest.partition("s")
                 tile, warps, step = int(tile), int(warps), int(step or tile)
                 try:
                     row = stage_times(P, args.numel, name, tile, warps, args.reps, args.device,
-                                      step)
+                                      step, int(stages) if stages else None)
                 except Exception as e:   # one failing variant must not lose the others
                     row = {"P": P, "config": name, "tile": tile, "warps": warps,
                            "error": f"{type(e).__name__}: {e}"[:300]}

@@ -210,3 +210,27 @@ def test_config_mismatch_is_refused_on_every_rank(world):
     P, res = world
     for r in range(P):
         assert res[r]["mismatch"] is not None and "differs across ranks" in res[r]["mismatch"]
+
+
+def test_all_reduce_add_rmsnorm_is_the_composition():
+    """comm.all_reduce_add_rmsnorm = all_reduce, then norm.add_rmsnorm_reference, bit for bit
+    (simulated P=4, the default compensated config, two calls: the state feeds back); bad
+    shapes are refused."""
+    from echo_tp import norm
+    from echo_tp.communicator import SimulatedCommunicator
+    gen = torch.Generator().manual_seed(SEED + 77)
+    a, b = SimulatedCommunicator(4), SimulatedCommunicator(4)
+    a.new_pass()
+    b.new_pass()
+    w = torch.randn(256, generator=gen)
+    for _ in range(2):
+        partial = torch.randn(4, 3, 5, 256, generator=gen).to(torch.bfloat16)
+        res = torch.randn(3, 5, 256, generator=gen).to(torch.bfloat16)
+        normed, rout = a.all_reduce_add_rmsnorm(partial, res, w, 1e-5)
+        y = b.all_reduce(partial)
+        want_n, want_r = norm.add_rmsnorm_reference(y, res.expand(y.shape).contiguous(), w, 1e-5)
+        assert torch.equal(rout, want_r) and torch.equal(normed, want_n)
+        assert normed.shape == (4, 3, 5, 256) and normed.dtype == torch.float32
+        assert torch.equal(rout[0], rout[3])                 # every rank the same
+    with pytest.raises(ValueError, match="weight"):
+        a.all_reduce_add_rmsnorm(partial, res, w[:10], 1e-5)

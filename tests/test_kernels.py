@@ -483,3 +483,39 @@ def test_reference_qar_with_kernel_codec_is_bit_identical(residual, bits):
         assert_bits_equal(y_k, y_t, f"y call {call}")
         assert_bits_equal(states["kernels"].m1, states["torch"].m1, f"m1 call {call}")
         assert_bits_equal(states["kernels"].m2, states["torch"].m2, f"m2 call {call}")
+
+
+@pytest.mark.parametrize("H,dtype,wdtype", [(64, torch.bfloat16, torch.float32),
+                                            (300, torch.float16, torch.float16),
+                                            (1000, torch.bfloat16, torch.bfloat16),
+                                            (4096, torch.float32, torch.float32)])
+def test_add_rmsnorm_kernel_matches_reference(H, dtype, wdtype):
+    """Residual add + RMSNorm in one pass (kernels/norm_kernels.py) against norm.py's reference
+    bit for bit: normed and residual_out, rows of any width (partial last chunk), values from
+    tiny to near the dtype's max (the add may overflow to inf, as torch's add does), a zero
+    row; and the reference against the models' RMSNorm (a different summation order: within
+    one rounding of the output dtype)."""
+    from echo_tp import norm
+    from echo_tp.kernels import norm_kernels as nk
+    from echo_tp.models.transformer import RMSNorm
+    gen = torch.Generator().manual_seed(H)
+    rows = 7
+    y = (torch.randn(rows, H, generator=gen) * torch.logspace(-3, 3, rows)[:, None]).to(dtype)
+    res = (torch.randn(rows, H, generator=gen) * 4).to(dtype)
+    res[3] = 0.0
+    y[3] = 0.0                                                     # a zero row: inv = 1/sqrt(eps)
+    big = torch.finfo(dtype).max
+    y[5, :3] = big
+    res[5, :3] = big                                               # overflows to inf, like torch
+    w = (1 + 0.1 * torch.randn(H, generator=gen)).to(wdtype)
+    got_n, got_r = nk.add_rmsnorm(y, res, w, 1e-6)
+    want_n, want_r = norm.add_rmsnorm_reference(y, res, w, 1e-6)
+    assert_bits_equal(got_r, want_r, "residual_out")
+    assert_bits_equal(got_n, want_n, "normed")
+    assert got_n.dtype == torch.promote_types(wdtype, dtype)
+    ok = [r for r in range(rows) if r != 5]
+    m = RMSNorm(H, 1e-6)
+    m.weight.data = w.float()
+    plain = m(res + y)
+    tol = dict(rtol=max(2 * torch.finfo(dtype).eps, 1e-5), atol=1e-30)   # fp32: order, rsqrt
+    torch.testing.assert_close(want_n.float()[ok], plain.float()[ok], **tol)

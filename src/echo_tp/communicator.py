@@ -149,6 +149,20 @@ class EchoCommunicator:
         finally:
             self._entry.release()
 
+    def all_reduce_add_rmsnorm(self, partial: torch.Tensor, residual: torch.Tensor,
+                               weight: torch.Tensor, eps: float, *, direction: str = "forward",
+                               bits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A block boundary in one call: residual_out = residual + all_reduce(partial) and
+        normed = RMSNorm(residual_out) * weight (echo_tp.norm: the models' RMSNorm, the sum of
+        squares in a fixed order) -> (normed, residual_out). partial, residual [..., H] of one
+        dtype (simulated: [P, ..., H], residual [..., H] or [P, ..., H]); weight [H]. On CUDA
+        the add and the norm run as one kernel pass after the all-reduce."""
+        from .norm import add_rmsnorm
+        y = self.all_reduce(partial, direction=direction, bits=bits)
+        if residual.shape != y.shape:
+            residual = residual.expand(y.shape)
+        return add_rmsnorm(y, residual.contiguous(), weight, eps)
+
     def _refuse_if_broken(self) -> None:
         if self._broken is not None:
             raise RuntimeError(self._broken)

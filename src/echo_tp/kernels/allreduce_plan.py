@@ -131,6 +131,7 @@ class CallPlan:
     use_timer: bool
     num_warps: int                # warps per program
     step_elems: int               # values per step of a tile (what a program holds at once)
+    num_stages: int | None = None  # triton's software-pipelining depth (None: its default)
 
     @functools.cached_property
     def _parts(self):
@@ -142,6 +143,9 @@ class CallPlan:
         ptrs = (x, st.m1, st.m2) if st is not None else (x, x, x)
         return ptrs, (x.numel(), *scal), consts, meta, per
 
+    def _stages(self) -> dict:
+        return {} if self.num_stages is None else {"num_stages": self.num_stages}
+
     def _fs(self):
         return self.fs if self.fs is not None else self.epoch
 
@@ -151,7 +155,7 @@ class CallPlan:
         ptrs, scal, consts, meta, per = self._parts
         launch(entry_kernel, (self.lay.tiles, self.lay.world_size - 1),
                (*ptrs, self._fs(), self.epoch, self.table, *scal, *consts),
-               dict(**meta, **per["entry"], num_warps=self.num_warps))
+               dict(**meta, **per["entry"], num_warps=self.num_warps, **self._stages()))
 
     @property
     def own_y(self) -> bool:
@@ -166,7 +170,7 @@ class CallPlan:
         launch(reduce_kernel, (self.lay.tiles,),
                (*ptrs, y, self._fs(), self.epoch, self.table, *scal, self.timeout, *consts),
                dict(**meta, **per["reduce"], USE_TIMER=self.use_timer, OWN_Y=self.own_y,
-                    num_warps=self.num_warps))
+                    num_warps=self.num_warps, **self._stages()))
 
     def tail(self, y: torch.Tensor) -> None:
         """After reduce(y): y of the other owners' segments (and of the own one unless the
@@ -176,7 +180,7 @@ class CallPlan:
         launch(tail_kernel, (self.lay.tiles, self.lay.world_size - first),
                (*ptrs, y, self._fs(), self.epoch, self.table, *scal, self.timeout, *consts),
                dict(**meta, **per["tail"], USE_TIMER=self.use_timer, FIRST=first,
-                    num_warps=self.num_warps))
+                    num_warps=self.num_warps, **self._stages()))
 
     def reduce_tail(self, y: torch.Tensor, ticket: torch.Tensor, lag: int) -> None:
         """reduce() then tail(y) as one overlapped launch (`reduce_tail_kernel`): the tails of
@@ -190,7 +194,7 @@ class CallPlan:
                (*ptrs, y, self._fs(), self.epoch, self.table, ticket, *scal, self.timeout,
                 max(0, min(lag, tiles)), *consts),
                dict(**meta, **per["reduce_tail"], USE_TIMER=self.use_timer, OWN_Y=own,
-                    num_warps=self.num_warps))
+                    num_warps=self.num_warps, **self._stages()))
 
     def fused(self, y: torch.Tensor, programs: int) -> None:
         """The whole call in one launch of `programs` programs (<= epoch.numel(); the same on
@@ -200,7 +204,7 @@ class CallPlan:
         launch(fused_kernel, (grid,),
                (*ptrs, y, self._fs(), self.epoch, self.table, *scal, self.timeout, *consts),
                dict(**meta, **per["fused"], USE_TIMER=self.use_timer,
-                    num_warps=self.num_warps))
+                    num_warps=self.num_warps, **self._stages()))
 
 
 def local_amax(x: torch.Tensor, state: CompState | None, cfg: EchoConfig,

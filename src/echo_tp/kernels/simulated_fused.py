@@ -23,13 +23,15 @@ class SimulatedFused:
     persist across calls, as on GPUs."""
 
     def __init__(self, world_size: int, tile_elems: int = 2048, timeout_polls: int = 1000,
-                 step_elems: int = 2048, num_warps: int = 4):
+                 step_elems: int = 2048, num_warps: int = 4, num_stages: int | None = None):
         self.world_size = world_size
         self.tile_elems = tile_elems
         """Values per tile (collective/routing.tile_shape picks them on GPUs)."""
         self.step_elems = step_elems
         """Values a program holds at once (capped at the tile)."""
         self.num_warps = num_warps
+        self.num_stages = num_stages
+        """triton's pipelining depth for the stage kernels (None: its default)."""
         self.timeout = timeout_polls
         self._ws: dict = {}
 
@@ -91,7 +93,8 @@ class SimulatedFused:
                                   epoch=ws["epochs"][r], table=ws["tables"][r],
                                   timeout=self.timeout, use_timer=False,
                                   num_warps=self.num_warps,
-                                  step_elems=min(self.step_elems, self.tile_elems)))
+                                  step_elems=min(self.step_elems, self.tile_elems),
+                                  num_stages=self.num_stages))
         return plans
 
 

@@ -1,0 +1,87 @@
+"""Residual add + RMSNorm in one pass per row (Triton); the reference is echo_tp/norm.py.
+
+    add_rmsnorm_kernel (grid rows): r = cast(y + residual) -> residual_out; acc[l] += v^2 over
+    chunks of LANES values (v = r in fp32), lanes halved pairwise to one sum; inv = 1 / sqrt(ss /
+    H + eps) (IEEE); normed = cast_w(w * cast(v * inv)), a second pass over the row (L2-hot).
+
+Unfused equivalent: `residual + y`, then the models' RMSNorm (fp32 inside), i.e. 1 read of y
+and residual, 1 write of residual_out, 1 read of it, 1 write of normed, with the sum of squares
+in norm.sum_of_squares' order (bit for bit: tests/test_kernels.py, tests/test_kernels_gpu.py).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..norm import LANES
+from .launcher import launch
+from .quant_kernels import DTYPE_KIND, _cast_out, _load_f32
+
+
+@triton.jit
+def _halve(acc, N: tl.constexpr):
+    """[N] -> [N/2]: out[i] = acc[i] + acc[i + N/2] (one addition per value: exact order)."""
+    return tl.sum(tl.reshape(acc, [2, N // 2]), axis=0)
+
+
+@triton.jit
+def _as_f32(v, KIND: tl.constexpr):
+    """A value of dtype KIND (0 fp32, 1 fp16, 2 bf16) as fp32, exactly."""
+    if KIND == 2:
+        out = (v.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        out = v.to(tl.float32)
+    return out
+
+
+@triton.jit
+def add_rmsnorm_kernel(y_ptr, res_ptr, w_ptr, out_ptr, rout_ptr, H, eps,
+                       X_KIND: tl.constexpr, W_KIND: tl.constexpr, O_KIND: tl.constexpr,
+                       L: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64) * H
+    lanes = tl.arange(0, L)
+    acc = tl.zeros([L], tl.float32)
+    for c in range(0, tl.cdiv(H, L)):                       # pass 1: add, store, sum of squares
+        offs = c * L + lanes
+        m = offs < H
+        s = _load_f32(y_ptr + row + offs, m, X_KIND) + _load_f32(res_ptr + row + offs, m, X_KIND)
+        r = _cast_out(s, X_KIND)
+        tl.store(rout_ptr + row + offs, r, mask=m)
+        v = _as_f32(r, X_KIND)
+        acc = acc + tl.where(m, v * v, 0.0)
+    acc = _halve(acc, L)
+    acc = _halve(acc, L // 2)
+    acc = _halve(acc, L // 4)
+    acc = _halve(acc, L // 8)
+    acc = _halve(acc, L // 16)
+    acc = _halve(acc, L // 32)
+    acc = _halve(acc, L // 64)
+    acc = _halve(acc, L // 128)                             # [1] for L = 256
+    one = tl.full([1], 1.0, tl.float32)
+    ss = tl.math.div_rn(acc, tl.full([1], 1.0, tl.float32) * H) + eps
+    inv = tl.math.div_rn(one, tl.math.sqrt_rn(ss))
+    for c in range(0, tl.cdiv(H, L)):                       # pass 2: normalize, scale
+        offs = c * L + lanes
+        m = offs < H
+        v = _load_f32(rout_ptr + row + offs, m, X_KIND)
+        xn = _as_f32(_cast_out(v * inv, X_KIND), X_KIND)
+        w = _load_f32(w_ptr + offs, m, W_KIND)
+        tl.store(out_ptr + row + offs, _cast_out(w * xn, O_KIND), mask=m)
+
+
+def add_rmsnorm(y: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """y, residual [..., H] contiguous, weight [H] -> (normed, residual_out)."""
+    if LANES != 256:
+        raise AssertionError("add_rmsnorm_kernel halves exactly 8 times (LANES = 256)")
+    h = y.shape[-1]
+    y, residual, weight = y.contiguous(), residual.contiguous(), weight.contiguous()
+    out_dtype = torch.promote_types(weight.dtype, y.dtype)
+    normed = torch.empty(y.shape, dtype=out_dtype, device=y.device)
+    rout = torch.empty_like(y)
+    rows = y.numel() // h
+    launch(add_rmsnorm_kernel, (rows,), (y, residual, weight, normed, rout, h, float(eps)),
+           dict(X_KIND=DTYPE_KIND[y.dtype], W_KIND=DTYPE_KIND[weight.dtype],
+                O_KIND=DTYPE_KIND[out_dtype], L=LANES, num_warps=4))
+    return normed, rout
