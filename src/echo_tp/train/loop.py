@@ -185,10 +185,10 @@ def _grad_norm(built: Built, clip: float) -> torch.Tensor:
     return clip_grad_norm_(built.model, clip) if clip > 0 else grad_norm(built.model)
 
 
-def _over_budget(o: TrainOptions, t0: float, built: Built, device) -> bool:
+def _over_budget(o: TrainOptions, elapsed: float, built: Built, device) -> bool:
     if o.time_budget is None:
         return False
-    over = time.perf_counter() - t0 >= o.time_budget
+    over = elapsed >= o.time_budget
     if built.mode == "ranks":  # every rank stops at the same step: rank 0's clock decides
         flag = torch.tensor(float(over), device=device)
         dist.broadcast(flag, 0)
@@ -270,9 +270,9 @@ def _rank_train(rank: int | None, world_size: int, o: TrainOptions) -> dict:
         norm = _grad_norm(built, o.clip)
         opt.step()
         done = step + 1
-        pending.append((done, lr, loss_sum / o.grad_accum, norm.detach(),
-                        time.perf_counter() - t0))
-        if _over_budget(o, t0, built, device):
+        elapsed = time.perf_counter() - t0
+        pending.append((done, lr, loss_sum / o.grad_accum, norm.detach(), elapsed))
+        if _over_budget(o, elapsed, built, device):
             stopped = "time_budget"
         last = done == o.steps or stopped != "steps"
         do_eval = val is not None and ((o.eval_every and done % o.eval_every == 0) or last)
