@@ -215,7 +215,7 @@ def test_plain_path_equals_a_plain_model_and_the_p1_tp_model(data, tmp_path):
         sync_partial_grads(tp)
         clip_grad_norm_(tp, 0.5)
         opt.step()
-        assert float(row["loss"]) == pytest.approx(float(loss), rel=1e-5, abs=1e-6), step
+        assert float(row["loss"]) == pytest.approx(float(loss.detach()), rel=1e-5, abs=1e-6), step
 
 
 def test_time_budget_stops_early_and_saves(data, tmp_path):

@@ -10,8 +10,8 @@
   weights; bf16 autocast on CUDA unless amp=False). A group of one (no simulate / world_size /
   torchrun, or any of them with P = 1) trains the plain single-device model: no communicator, no
   TP layers (a sum over one rank is its input exactly, so the comm config changes nothing).
-  compile=True wraps the model in torch.compile (the plain path compiles whole; on TP paths each
-  communicator call is a graph break).
+  compile=True wraps the model in torch.compile (meant for the plain path; a simulated TP
+  model runs compiled too, with the same losses; its speed is not measured).
 - Data: train/data.py, order fixed by `seed`: the same batches for every comm config. bos=True:
   every row starts with BOS and holds whole document pieces (documents split at the token file's
   eos_id; BOS = bos_id, default that same id, as in GPT-2-style vocabularies); padding is not
@@ -22,7 +22,8 @@
   only), linear warmup then cosine to min_lr at `steps`.
 - Host syncs: loss and grad norm stay on the device and are read every `sync_every` steps (one
   read for them all); log.csv still gets one row per step, a non-finite loss is raised at the
-  read that sees it. elapsed_s is the host clock when the step was queued.
+  read that sees it. elapsed_s is the host clock when the step was queued. Batches reach CUDA
+  through pinned memory (no wait on queued work).
 - time_budget (seconds, counted from the first step, compile time included): the run stops after
   the first step that ends past it (real ranks: rank 0's clock decides, one broadcast per step),
   then evaluates and saves as at a normal end. The LR schedule stays the one over `steps`, so a
@@ -159,6 +160,14 @@ def data_ids(o: TrainOptions) -> dict:
     return ids
 
 
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU batch on device; to CUDA through pinned memory, so the copy does not wait for the
+    work already queued (a copy from pageable memory would: a host sync per micro-batch)."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def _loss(model, x, y, amp: bool, device) -> torch.Tensor:
     with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=amp):
         logits = model(x)  # [B, T, V]
@@ -264,7 +273,7 @@ def _rank_train(rank: int | None, world_size: int, o: TrainOptions) -> dict:
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         for _ in range(o.grad_accum):
             x, y = next(batches)
-            loss = _loss(forward, x.to(device), y.to(device), amp, device)
+            loss = _loss(forward, _to(x, device), _to(y, device), amp, device)
             (loss / o.grad_accum).backward()
             loss_sum += loss.detach().double()
         norm = _grad_norm(built, o.clip)
