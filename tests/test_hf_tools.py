@@ -135,14 +135,18 @@ def test_sampled_generate_with_left_padding_matches_unsharded():
     assert torch.equal(got, want), (got, want)
 
 
-def test_train_cli_on_a_transformers_config_dir(tmp_path):
-    """2 simulated ranks, 16 bits, 2 steps from a config.json-only dir (seeded from_config
-    init): step 1's loss and global grad norm == the unsharded model's on the same batch (rtol
-    1e-5 / 1e-4: fp32 regrouping), and the saved checkpoint is a plain transformers one."""
+@pytest.mark.parametrize("mode", [["--simulate", "2"], ["--save-dtype", "bfloat16"]],
+                         ids=["simulated-2", "plain-bf16"])
+def test_train_cli_on_a_transformers_config_dir(tmp_path, mode):
+    """2 simulated ranks (or the plain model: no TP group), 16 bits, 2 steps from a
+    config.json-only dir (seeded from_config init): step 1's loss and global grad norm == the
+    unsharded model's on the same batch (rtol 1e-5 / 1e-4: fp32 regrouping), and the saved
+    checkpoint (float32, or bfloat16) is a plain transformers one."""
     import csv
 
     import numpy as np
     import torch.nn.functional as F
+    from safetensors.torch import load_file
 
     from echo_tp.models.tokenize import write_tokens
     from echo_tp.train import TokenBatches
@@ -154,8 +158,8 @@ def test_train_cli_on_a_transformers_config_dir(tmp_path):
     out = tmp_path / "run"
     assert cli.main(["train", "--model", str(tmp_path / "cfg"), "--train-data",
                      str(tmp_path / "train.bin"), "--comm", "16", "--steps", "2", "--seq-len",
-                     "32", "--batch-size", "2", "--warmup", "1", "--seed", "3", "--simulate",
-                     "2", "--out-dir", str(out), "--no-progress"]) == 0
+                     "32", "--batch-size", "2", "--warmup", "1", "--seed", "3", *mode,
+                     "--out-dir", str(out), "--no-progress"]) == 0
     with open(out / "log.csv", newline="") as f:
         first = next(csv.DictReader(f))
     torch.manual_seed(3)
@@ -168,3 +172,6 @@ def test_train_cli_on_a_transformers_config_dir(tmp_path):
     assert float(first["grad_norm"]) == pytest.approx(float(norm), rel=1e-4)
     back = T.AutoModelForCausalLM.from_pretrained(out / "checkpoints" / "step-2")
     assert type(back).__name__ == "Qwen2ForCausalLM"
+    saved = load_file(out / "checkpoints" / "step-2" / "model.safetensors")
+    want = torch.bfloat16 if "bfloat16" in mode else torch.float32
+    assert {t.dtype for t in saved.values()} == {want}

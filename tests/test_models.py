@@ -9,7 +9,8 @@ What is compared with what:
 - KV cache: generate() == greedy argmax by full re-forward; chunked prefill with a cache == one
   full forward. A hand-made 2-way column/row split of attention and MLP sums to the unsplit
   output (the module reads its head count from the weights, as TP needs).
-- presets, tokenizer (vs transformers' GPT2Tokenizer / Qwen2Tokenizer), token files, bad input.
+- presets, tokenizer (vs transformers' GPT2Tokenizer / Qwen2Tokenizer), token files, bad input;
+  the validation split: whole documents, disjoint from training, several, seeded (or the tail).
 
 Tolerance: atol 1e-5, rtol 0 on logits of magnitude ~1. Both sides run the same fp32 ops in the
 same order (fp32 RMSNorm, rotate_half RoPE, SDPA); they agree bit for bit today, and 1e-5 leaves
@@ -39,7 +40,7 @@ except ImportError:  # not pip-installed (`make install` does that): use the sou
 from echo_tp.models import (ModelConfig, build_meta_model, build_tokenizer, init_weights,
                             load_hf_checkpoint, load_tokens, save_hf_checkpoint, tokenize_files,
                             tokenize_main)
-from echo_tp.models.tokenize import ASSETS_DIR, val_path_for
+from echo_tp.models.tokenize import ASSETS_DIR, choose_val_documents, val_path_for
 from echo_tp.models.transformer import rope_cos_sin
 
 transformers = pytest.importorskip("transformers")
@@ -287,13 +288,49 @@ def test_tokenize_files_count_dtype_and_val_split(tmp_path):
     assert load_tokens(tmp_path / "all.bin").dtype == torch.int64
 
     written = tokenize_main([str(tmp_path)], "", str(tmp_path / "out" / "train.bin"),
-                            val_fraction=0.25)
+                            val_fraction=0.25, val_split="tail")
     train, val = (load_tokens(p) for p in written)
     assert written[1] == val_path_for(tmp_path / "out" / "train.bin")
     assert len(val) == round(0.25 * len(expected))
     assert torch.cat([train, val]).tolist() == expected  # the tail is held out, nothing lost
     meta = json.loads((tmp_path / "out" / "train.val.json").read_text())
-    assert meta["split"] == "val" and meta["tokenizer"] == "gpt2"
+    assert meta["split"] == "val" and meta["tokenizer"] == "gpt2" and meta["val_split"] == "tail"
     with pytest.raises(ValueError, match="val_fraction"):
         tokenize_main([str(paths[0])], "gpt2", str(tmp_path / "x.bin"), val_fraction=1.0)
+    with pytest.raises(ValueError, match="--val-split tail"):  # one document: no whole one
+        tokenize_main([str(paths[0])], "gpt2", str(tmp_path / "x.bin"), val_fraction=0.1)
     assert np.dtype(info["dtype"]).itemsize == 2
+
+
+def test_val_split_holds_out_whole_documents(tmp_path):
+    tok = build_tokenizer()
+    rng = np.random.default_rng(0)
+    words = ["alpha", "beta", "gamma", "delta", "river", "stone", "light", "north"]
+    texts = {}
+    for i in range(24):  # documents of different lengths, each with its own marker word
+        body = " ".join(rng.choice(words, int(rng.integers(20, 200))))
+        texts[f"doc{i:02d}.txt"] = f"Document{i} begins. {body}"
+        (tmp_path / f"doc{i:02d}.txt").write_text(texts[f"doc{i:02d}.txt"], encoding="utf-8")
+    out = tmp_path / "out" / "train.bin"
+    train_path, val_path = tokenize_main([str(tmp_path)], "", str(out), val_fraction=0.2, seed=3)
+    train_meta = json.loads(out.with_suffix(".json").read_text())
+    val_meta = json.loads(val_path_for(out).with_suffix(".json").read_text())
+    assert val_meta["split"] == "val" and val_meta["val_split"] == "documents"
+    held = val_meta["sources"]
+    assert len(held) >= 3 and not set(held) & set(train_meta["sources"])
+    assert sorted(held + train_meta["sources"]) == sorted(texts)
+    index = sorted(int(name[3:5]) for name in held)
+    assert index != list(range(24 - len(held), 24))  # not the corpus' tail
+    # The val file is exactly the held-out documents, EOS between them; train the others.
+    for path, names in ((val_path, held), (train_path, train_meta["sources"])):
+        want = []
+        for name in names:
+            want += ([50256] if want else []) + tok.encode(texts[name]).ids
+        assert load_tokens(path).tolist() == want
+    n_val = load_tokens(val_path).numel()
+    n_all = sum(len(tok.encode(t).ids) for t in texts.values())
+    assert 0.1 * n_all < n_val <= 0.2 * n_all + len(held)  # about the fraction, never above
+    lengths = [len(tok.encode(texts[n]).ids) for n in sorted(texts)]
+    assert choose_val_documents(lengths, 0.2, 3) == index  # deterministic by seed
+    assert choose_val_documents(lengths, 0.2, 4) != index
+    assert choose_val_documents([5, 100, 100], 0.01, 0) == [0]  # none fits: the smallest

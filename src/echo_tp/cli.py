@@ -31,11 +31,17 @@ def _tokenize(sub):
     p.add_argument("--tokenizer", default="", help="folder with vocab.json+merges.txt "
                    "(or tokenizer.json); default: the shipped GPT-2 tokenizer")
     p.add_argument("--out", required=True, help="output .bin path")
-    p.add_argument("--val-fraction", type=float, default=0.0)
+    p.add_argument("--val-fraction", type=float, default=0.0,
+                   help="hold out about this fraction of the tokens in OUT's .val.bin")
+    p.add_argument("--val-split", default="documents", choices=["documents", "tail"],
+                   help="documents: whole input files, a seeded choice spread over the corpus; "
+                   "tail: the end of the token stream (e.g. for one input file)")
+    p.add_argument("--seed", type=int, default=0, help="which documents are held out")
 
     def run(a):
         from .models.tokenize import main
-        for path in main(a.inputs, a.tokenizer, a.out, val_fraction=a.val_fraction):
+        for path in main(a.inputs, a.tokenizer, a.out, val_fraction=a.val_fraction,
+                         val_split=a.val_split, seed=a.seed):
             print(path)
     p.set_defaults(func=run)
 
@@ -50,8 +56,8 @@ def _tp_mode(p):
 
 def _eval(sub):
     p = sub.add_parser("eval", help="perplexity under several comm configs (16/8/4/Echo/...)")
-    p.add_argument("--model", required=True, help="HF checkpoint directory or a preset name "
-                   "(random init from --seed)")
+    p.add_argument("--model", required=True, help="HF checkpoint directory, or a preset name "
+                   "or .json model config (random init from --seed)")
     p.add_argument("--data", required=True, help="token file (.bin + .json sidecar) or a text file")
     p.add_argument("--comms", nargs="+", default=["16", "8", "4", "echo4"],
                    help="comm specs NAME[:KEY=VALUE,...], e.g. 16 4 echo4 early8 "
@@ -62,6 +68,10 @@ def _eval(sub):
                    help="window stride (default: --context, non-overlapping windows)")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--max-windows", type=int, default=None)
+    p.add_argument("--bos", action="store_true",
+                   help="prefix each window with BOS (not scored; the same targets are scored)")
+    p.add_argument("--bos-id", type=int, default=None, help="BOS token id (implies --bos; "
+                   "default: the token file's eos_id, or the tokenizer's <|endoftext|>)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default=None, help="simulated runs: cpu/cuda (default cuda if any)")
@@ -82,22 +92,35 @@ def _eval(sub):
              batch_size=a.batch_size, max_windows=a.max_windows, simulate=a.simulate,
              world_size=a.world_size, seed=a.seed, dtype=a.dtype, device=a.device,
              tokenizer=a.tokenizer, out=a.out, progress=not a.no_progress,
-             impl=a.model_impl)
+             impl=a.model_impl, bos=a.bos or a.bos_id is not None, bos_id=a.bos_id)
     p.set_defaults(func=run)
 
 
 def _train(sub):
-    p = sub.add_parser("train", help="TP pretraining from scratch with one comm config")
-    p.add_argument("--model", default="qwen3-150m", help="model preset, or an HF directory of a "
-                   "transformers causal LM: config.json (random init from --seed) or config.json"
-                   " + *.safetensors (fine-tuning; each rank reads only its slices)")
+    p = sub.add_parser("train", help="pretraining from scratch: one device, or TP with one comm "
+                       "config")
+    p.add_argument("--model", default="qwen3-150m", help="model preset, a .json model config "
+                   "(ModelConfig fields, optionally on a \"preset\"; or a transformers "
+                   "config.json), or an HF directory of a transformers causal LM: config.json "
+                   "(random init from --seed) or config.json + *.safetensors (fine-tuning; each "
+                   "rank reads only its slices)")
+    p.add_argument("--model-field", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                   help="ModelConfig fields on top of --model, e.g. n_layers=24 dim=512 "
+                   "qk_norm=true")
     p.add_argument("--train-data", required=True, help="token file (.bin + .json sidecar)")
     p.add_argument("--val-data", default=None, help="held-out token file")
     p.add_argument("--comm", default="16", help="comm spec, e.g. 16, echo4, 'echo4:eta=0.9'")
-    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--steps", type=int, default=1000, help="optimizer steps: the LR schedule")
+    p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                   help="stop after the step that ends past SECONDS (from the first step), then "
+                   "evaluate and save; the schedule stays the one over --steps")
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch")
     p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--bos", action="store_true", help="every sequence starts with BOS and packs "
+                   "whole document pieces (documents split at the token file's eos_id)")
+    p.add_argument("--bos-id", type=int, default=None,
+                   help="BOS token id (implies --bos; default: the token file's eos_id)")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--min-lr", type=float, default=None, help="default: lr / 10")
     p.add_argument("--warmup", type=int, default=100)
@@ -106,22 +129,37 @@ def _train(sub):
     p.add_argument("--eval-every", type=int, default=0)
     p.add_argument("--eval-batches", type=int, default=20)
     p.add_argument("--save-every", type=int, default=0)
+    p.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="checkpoint dtype (default float32, the master weights as they are)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--sync-every", type=int, default=10, metavar="N",
+                   help="read loss and grad norm from the device every N steps (the CSV still "
+                   "gets a row per step)")
     p.add_argument("--out-dir", default="runs/train")
     p.add_argument("--seed", type=int, default=0, help="init and data order")
-    p.add_argument("--device", default=None, help="simulated runs: cpu/cuda (default cuda if any)")
+    p.add_argument("--device", default=None, help="plain and simulated runs: cpu/cuda (default "
+                   "cuda if any)")
     p.add_argument("--amp", default=None, action=argparse.BooleanOptionalAction,
                    help="bf16 autocast (default: on for CUDA)")
     p.add_argument("--no-progress", action="store_true")
-    _tp_mode(p)
+    g = p.add_argument_group("TP group (none of them: the plain model on one device; under "
+                             "torchrun: neither)")
+    g.add_argument("--simulate", type=int, default=None, metavar="P",
+                   help="P virtual ranks in this process (bit-identical to real ranks at 4/8 "
+                   "bits; P = 1: the plain model)")
+    g.add_argument("--world-size", type=int, default=None, metavar="P",
+                   help="spawn P gloo processes on CPU")
 
     def run(a):
         from .train import main
-        main(model=a.model, train_data=a.train_data, val_data=a.val_data, comm=a.comm,
-             steps=a.steps, seq_len=a.seq_len, batch_size=a.batch_size,
-             grad_accum=a.grad_accum, lr=a.lr, min_lr=a.min_lr, warmup=a.warmup,
-             weight_decay=a.weight_decay, clip=a.clip, eval_every=a.eval_every,
-             eval_batches=a.eval_batches, save_every=a.save_every, out_dir=a.out_dir,
-             seed=a.seed, device=a.device, amp=a.amp, simulate=a.simulate,
+        main(model=a.model, model_fields=a.model_field, train_data=a.train_data,
+             val_data=a.val_data, comm=a.comm, steps=a.steps, time_budget=a.time_budget,
+             seq_len=a.seq_len, batch_size=a.batch_size, grad_accum=a.grad_accum,
+             bos=a.bos or a.bos_id is not None, bos_id=a.bos_id, lr=a.lr, min_lr=a.min_lr,
+             warmup=a.warmup, weight_decay=a.weight_decay, clip=a.clip,
+             eval_every=a.eval_every, eval_batches=a.eval_batches, save_every=a.save_every,
+             save_dtype=a.save_dtype, compile=a.compile, sync_every=a.sync_every,
+             out_dir=a.out_dir, seed=a.seed, device=a.device, amp=a.amp, simulate=a.simulate,
              world_size=a.world_size, progress=not a.no_progress)
     p.set_defaults(func=run)
 

@@ -23,6 +23,12 @@ reads tokens [kS, kS + T) and predicts [kS + 1, kS + T]. The first window scores
 every later one only its last S targets (the ones no earlier window scored), so with S < T each
 scored token sees at least T - S tokens of context. Tokens past the last full window are dropped.
 Perplexity = exp(total NLL / scored tokens), NLL summed in float64.
+
+BOS-started windows (`bos_id`, `--bos`), as a model trained with `echo-tp train --bos` sees its
+sequences and as serving starts a prompt: each window's T tokens are read after one BOS token
+(T + 1 positions); the BOS position's prediction is not scored, so exactly the same targets are
+scored as without BOS. The BOS id defaults to the token file's eos_id (its document separator,
+the BOS of GPT-2-style vocabularies), for a text file the tokenizer's <|endoftext|>.
 """
 from __future__ import annotations
 
@@ -37,8 +43,8 @@ import torch
 import torch.nn.functional as F
 
 from echo_tp.models import (ModelConfig, build_meta_model, build_tokenizer, init_weights,
-                            load_hf_checkpoint, load_tokens)
-from echo_tp.models.tokenize import resolve_tokenizer_dir
+                            load_hf_checkpoint, load_tokens, resolve_model_config)
+from echo_tp.models.tokenize import DEFAULT_EOS, resolve_tokenizer_dir, separator_id
 from echo_tp.tp import parallelize, parse_comm_specs, set_comm
 from echo_tp.tp.runtime import launch, make_comm, rank_device
 
@@ -61,6 +67,8 @@ class EvalOptions:
     dtype: str = "float32"
     device: str | None = None
     tokenizer: str | None = None
+    bos_id: int | None = None
+    """Prefix every window with this BOS token (None: no BOS)."""
     impl: str = "auto"
     """HF directories: 'auto', 'echo' (the project's Transformer) or 'transformers'."""
     progress: bool = True
@@ -106,10 +114,11 @@ def sliding_windows(n_tokens: int, context: int, stride: int | None = None,
 
 
 def load_model(spec: str, *, seed: int, dtype: torch.dtype, device: torch.device):
-    """(Transformer in eval mode, ModelConfig) from an HF directory or a preset name."""
+    """(Transformer in eval mode, ModelConfig) from an HF directory, a preset name or a .json
+    model config."""
     if Path(spec).is_dir():
         return load_hf_checkpoint(spec, dtype=dtype, device=device)
-    cfg = ModelConfig.from_name(spec)
+    cfg = resolve_model_config(spec)
     model = init_weights(build_meta_model(cfg).to_empty(device=device), seed=seed)
     return model.to(dtype).eval(), cfg
 
@@ -122,26 +131,46 @@ def load_eval_tokens(data: str, *, model_spec: str, tokenizer: str | None) -> to
         raise ValueError(f"data file {data} does not exist")
     if path.suffix == ".bin":
         return load_tokens(path)
-    tok_dir = tokenizer
-    if tok_dir is None and Path(model_spec).is_dir() and any(
-            (Path(model_spec) / f).is_file() for f in ("tokenizer.json", "vocab.json")):
-        tok_dir = model_spec
+    tok_dir = _text_tokenizer_dir(model_spec, tokenizer)
     tok = build_tokenizer(resolve_tokenizer_dir(tok_dir))
     return torch.tensor(tok.encode(path.read_text(encoding="utf-8")).ids, dtype=torch.long)
 
 
+def _text_tokenizer_dir(model_spec: str, tokenizer: str | None) -> str | None:
+    if tokenizer is None and Path(model_spec).is_dir() and any(
+            (Path(model_spec) / f).is_file() for f in ("tokenizer.json", "vocab.json")):
+        return model_spec
+    return tokenizer
+
+
+def data_bos_id(data: str, *, model_spec: str, tokenizer: str | None) -> int:
+    """The default BOS of `data`: a token file's eos_id, a text file's tokenizer <|endoftext|>."""
+    if Path(data).suffix == ".bin":
+        return separator_id(data)
+    tok = build_tokenizer(resolve_tokenizer_dir(_text_tokenizer_dir(model_spec, tokenizer)))
+    bos = tok.token_to_id(DEFAULT_EOS)
+    if bos is None:
+        raise ValueError(f"the tokenizer has no {DEFAULT_EOS}: pass --bos-id")
+    return bos
+
+
 @torch.inference_mode()
 def window_nll(model, tokens: torch.Tensor, windows, *, context: int, batch_size: int, device,
-               bar=None) -> tuple[float, int]:
-    """(sum of NLL in float64, scored tokens) over windows of `context` tokens."""
+               bar=None, bos_id: int | None = None) -> tuple[float, int]:
+    """(sum of NLL in float64, scored tokens) over windows of `context` tokens (each read after
+    a BOS token when bos_id is given; its position is not scored)."""
     T = context
     total, count = 0.0, 0
     for i in range(0, len(windows), batch_size):
         batch = windows[i:i + batch_size]
         x = torch.stack([tokens[s:s + T] for s, _ in batch]).to(device)          # [B, T]
         y = torch.stack([tokens[s + 1:s + T + 1] for s, _ in batch]).to(device)  # [B, T]
-        logits = model(x)                                                        # [B, T, V]
+        if bos_id is not None:
+            x = torch.cat([x.new_full((len(batch), 1), bos_id), x], dim=1)     # [B, T + 1]
+        logits = model(x)                                              # [B, T (+ 1), V]
         logits = getattr(logits, "logits", logits)  # a transformers ModelOutput
+        if bos_id is not None:
+            logits = logits[:, 1:]  # the BOS position predicts x's first token: not scored
         nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
         nll = nll.view(len(batch), T)
         for b, (_, first) in enumerate(batch):
@@ -174,6 +203,9 @@ def _rank_eval(rank: int | None, world_size: int, opts: EvalOptions) -> list[dic
     if tokens.numel() and int(tokens.max()) >= vocab_size:
         raise ValueError(f"token id {int(tokens.max())} >= the model's vocab_size "
                          f"{vocab_size}: data and model use different tokenizers")
+    if opts.bos_id is not None and not 0 <= opts.bos_id < vocab_size:
+        raise ValueError(f"BOS id {opts.bos_id} is outside the model's vocabulary "
+                         f"[0, {vocab_size})")
     windows = sliding_windows(tokens.numel(), opts.context, opts.stride, opts.max_windows)
     main = rank in (None, 0)
     bar = None
@@ -194,7 +226,7 @@ def _rank_eval(rank: int | None, world_size: int, opts: EvalOptions) -> list[dic
             bar.set_postfix_str(spec.label)
         t0 = time.perf_counter()
         nll, n = window_nll(forward, tokens, windows, batch_size=opts.batch_size, device=device,
-                            bar=bar, context=opts.context)
+                            bar=bar, context=opts.context, bos_id=opts.bos_id)
         results.append({**spec.as_dict(), "ppl": math.exp(nll / n), "nll": nll / n,
                         "tokens": n, "windows": len(windows),
                         "seconds": time.perf_counter() - t0})
@@ -220,32 +252,39 @@ def main(*, model: str, data: str, comms: list[str], context: int = 1024,
          stride: int | None = None, batch_size: int = 4, max_windows: int | None = None,
          simulate: int | None = None, world_size: int | None = None, seed: int = 0,
          dtype: str = "float32", device: str | None = None, tokenizer: str | None = None,
-         out: str | None = None, progress: bool = True, impl: str = "auto") -> list[dict]:
+         out: str | None = None, progress: bool = True, impl: str = "auto", bos: bool = False,
+         bos_id: int | None = None) -> list[dict]:
     """Perplexity of `model` on `data` under every comm config; prints a table (rank 0), writes
-    JSON to `out` when given, returns the result rows (rank 0's; every rank computes the same)."""
+    JSON to `out` when given, returns the result rows (rank 0's; every rank computes the same).
+    bos=True: BOS-started windows (bos_id, default: see the module doc)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     parse_comm_specs(list(comms))  # fail fast, before any process starts
     if out:
         check_writable(out, "--out")
     which = model_impl(model, impl)
+    if bos_id is not None and not bos:
+        raise ValueError("bos_id needs bos=True")
+    if bos and bos_id is None:
+        bos_id = data_bos_id(data, model_spec=model, tokenizer=tokenizer)
     opts = EvalOptions(model=model, data=data, comms=tuple(comms), context=context,
                        stride=stride, batch_size=batch_size, max_windows=max_windows, seed=seed,
                        dtype=dtype, device=device, tokenizer=tokenizer, impl=which,
-                       progress=progress)
+                       bos_id=bos_id, progress=progress)
     run = launch(_rank_eval, opts, simulate=simulate, world_size=world_size)
     results = run.result
     if run.is_main:
         P = simulate or world_size or _world()
         mode = "simulated" if simulate else "real"
         print(f"model {model} ({which}) | data {data} | TP={P} ({mode}) | context {context}, "
-              f"stride {stride or context} | {results[0]['windows']} windows, "
+              f"stride {stride or context}{f', after BOS {bos_id}' if bos else ''} | "
+              f"{results[0]['windows']} windows, "
               f"{results[0]['tokens']} scored tokens")
         print(format_table(results))
         if out:
             record = {"model": model, "impl": which, "data": data, "world_size": P, "mode": mode,
-                      "context": context, "stride": stride or context, "dtype": dtype,
-                      "seed": seed, "results": results}
+                      "context": context, "stride": stride or context, "bos_id": bos_id,
+                      "dtype": dtype, "seed": seed, "results": results}
             Path(out).parent.mkdir(parents=True, exist_ok=True)
             Path(out).write_text(json.dumps(record, indent=2) + "\n")
     return results

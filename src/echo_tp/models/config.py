@@ -5,6 +5,11 @@ key head with its own RMSNorm before RoPE) and in their preset numbers. `from_hf
 transformers `config.json` dict (4.x `rope_theta` or 5.x `rope_parameters`), `to_hf_config` writes
 one that `AutoModelForCausalLM` loads as `LlamaForCausalLM` or `Qwen3ForCausalLM`.
 
+`resolve_model_config(spec, fields)` is what the tools take as `--model`: a preset name or a JSON
+file (ModelConfig fields, optionally on top of a `"preset"`; or a transformers config.json dict),
+then `KEY=VALUE` field overrides (`--model-field n_layers=24 dim=512`), so a custom shape needs
+no code.
+
 Tiny presets ("tiny-llama", "tiny-qwen3") have 8 query heads and 4 key/value heads so that the
 q/k/v column split and the o_proj row split divide evenly at TP=2 and TP=4 (one kv head per rank at
 TP=4); their q width (8 * 16 = 128) differs from dim (64) on purpose, as in Qwen3-0.6B, so a code
@@ -13,7 +18,10 @@ path that confuses the two fails in the tests.
 from __future__ import annotations
 
 import dataclasses
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 ARCH_LLAMA = "LlamaForCausalLM"
@@ -88,6 +96,39 @@ class ModelConfig:
         if name not in PRESETS:
             raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
         return cls(**PRESETS[name])
+
+    @classmethod
+    def from_fields(cls, fields: Mapping[str, Any]) -> ModelConfig:
+        """From a dict of field values; an optional "preset" key names the base they change."""
+        fields = dict(fields)
+        base = fields.pop("preset", None)
+        unknown = sorted(set(fields) - set(FIELD_TYPES))
+        if unknown:
+            raise ValueError(f"unknown ModelConfig fields {unknown}; the fields are "
+                             f"{sorted(FIELD_TYPES)} (and 'preset')")
+        if base is not None:
+            return cls.from_name(base).replace(**fields)
+        missing = sorted(f.name for f in dataclasses.fields(cls)
+                         if f.default is dataclasses.MISSING and f.name not in fields)
+        if missing:
+            raise ValueError(f"model config lacks the fields {missing}: give them, or a "
+                             f"\"preset\" to start from (one of {sorted(PRESETS)})")
+        return cls(**fields)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> ModelConfig:
+        """A JSON file of ModelConfig fields (see from_fields), or a transformers config.json
+        (it has "model_type"; see from_hf_config)."""
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"model config file {path} does not exist")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"model config file {path} is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"model config file {path} must hold a JSON object")
+        return cls.from_hf_config(data) if "model_type" in data else cls.from_fields(data)
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -166,6 +207,51 @@ class ModelConfig:
         layer = attn + 3 * d * self.intermediate_size + 2 * d
         embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
         return self.n_layers * layer + embed + d
+
+
+FIELD_TYPES: dict[str, type] = {"vocab_size": int, "dim": int, "n_layers": int, "n_heads": int,
+                               "n_kv_heads": int, "head_dim": int, "intermediate_size": int,
+                               "rope_theta": float, "norm_eps": float, "max_seq_len": int,
+                               "tie_embeddings": bool, "qk_norm": bool, "attention_bias": bool}
+"""Every ModelConfig field and the type a KEY=VALUE string is read as."""
+
+
+def parse_model_fields(items: Sequence[str]) -> dict[str, Any]:
+    """["n_layers=24", "qk_norm=true", ...] -> {"n_layers": 24, "qk_norm": True, ...}."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        key, text = key.strip(), text.strip()
+        if not sep or not key or not text:
+            raise ValueError(f"model field {item!r} is not KEY=VALUE (e.g. n_layers=24)")
+        if key not in FIELD_TYPES:
+            raise ValueError(f"unknown model field {key!r}; the fields are {sorted(FIELD_TYPES)}")
+        kind = FIELD_TYPES[key]
+        try:
+            if kind is bool:
+                if text.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError
+                out[key] = text.lower() in ("true", "1")
+            else:
+                out[key] = kind(text)
+        except ValueError:
+            raise ValueError(f"model field {key}={text!r}: expected {kind.__name__}") from None
+    return out
+
+
+def resolve_model_config(spec: str, fields: Sequence[str] | Mapping[str, Any] = ()
+                         ) -> ModelConfig:
+    """What `--model SPEC --model-field K=V ...` names: a preset name or a .json file
+    (ModelConfig.from_json), with the fields (KEY=VALUE strings or a dict) changed on top."""
+    if spec.endswith(".json") or Path(spec).is_file():
+        cfg = ModelConfig.from_json(spec)
+    elif spec in PRESETS:
+        cfg = ModelConfig.from_name(spec)
+    else:
+        raise ValueError(f"unknown model {spec!r}: pass a preset ({sorted(PRESETS)}) or a .json "
+                         "file of ModelConfig fields")
+    changes = dict(fields) if isinstance(fields, Mapping) else parse_model_fields(fields)
+    return cfg.replace(**changes) if changes else cfg
 
 
 _TINY = dict(vocab_size=256, dim=64, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=16,

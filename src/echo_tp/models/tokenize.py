@@ -11,8 +11,9 @@ ship in echo_tp/assets/tokenizers/gpt2 are used.
 Token files: `X.bin` is a flat little-endian uint16 array (uint32 when the vocabulary exceeds
 2^16 ids) of every input document's tokens, with one EOS token between consecutive documents (one
 input file = one document, encoded whole). `X.json` beside it records dtype, n_tokens, tokenizer
-name, vocab size, EOS id and the sources. `main` can cut the tail of the stream into a held-out
-`X.val.bin` (split at a token boundary).
+name, vocab size, EOS id (`eos_id`: the document separator, which train/eval `--bos` read) and
+the sources. `main` can hold out whole documents in `X.val.bin` (`choose_val_documents`: a seeded
+choice spread over the corpus), or the tail of the stream (`val_split="tail"`, for one document).
 """
 from __future__ import annotations
 
@@ -156,27 +157,71 @@ def _expand(paths: list[str | Path]) -> list[Path]:
     return files
 
 
-def encode_documents(paths: list[str | Path], tokenizer: Tokenizer, *,
-                     eos_token: str = DEFAULT_EOS) -> tuple[np.ndarray, list[Path]]:
-    """Token ids (int64) of every file, EOS between consecutive documents; and the files read."""
+def _eos_id(tokenizer: Tokenizer, eos_token: str) -> int:
     eos_id = tokenizer.token_to_id(eos_token)
     if eos_id is None:
         raise ValueError(f"tokenizer has no token {eos_token!r} to separate documents")
+    return eos_id
+
+
+def encode_each(paths: list[str | Path], tokenizer: Tokenizer) -> tuple[list[np.ndarray],
+                                                                       list[Path]]:
+    """Token ids (int64) of each file, one array per document; and the files read."""
     files = _expand(paths)
-    pieces: list[np.ndarray] = []
+    docs: list[np.ndarray] = []
     for start in range(0, len(files), ENCODE_BATCH):
-        batch = files[start:start + ENCODE_BATCH]
         texts = []
-        for f in batch:
+        for f in files[start:start + ENCODE_BATCH]:
             try:
                 texts.append(f.read_text(encoding="utf-8"))
             except UnicodeDecodeError as err:
                 raise ValueError(f"{f} is not UTF-8 text: {err}") from err
-        for enc in tokenizer.encode_batch(texts, add_special_tokens=False):
-            if pieces:
-                pieces.append(np.array([eos_id], dtype=np.int64))
-            pieces.append(np.asarray(enc.ids, dtype=np.int64))
-    return np.concatenate(pieces), files
+        docs += [np.asarray(enc.ids, dtype=np.int64)
+                 for enc in tokenizer.encode_batch(texts, add_special_tokens=False)]
+    return docs, files
+
+
+def join_documents(docs: list[np.ndarray], eos_id: int) -> np.ndarray:
+    """One stream: the documents in order, one EOS token between consecutive ones."""
+    pieces: list[np.ndarray] = []
+    for doc in docs:
+        if pieces:
+            pieces.append(np.array([eos_id], dtype=np.int64))
+        pieces.append(doc)
+    return np.concatenate(pieces) if pieces else np.empty(0, dtype=np.int64)
+
+
+def encode_documents(paths: list[str | Path], tokenizer: Tokenizer, *,
+                     eos_token: str = DEFAULT_EOS) -> tuple[np.ndarray, list[Path]]:
+    """Token ids (int64) of every file, EOS between consecutive documents; and the files read."""
+    eos_id = _eos_id(tokenizer, eos_token)
+    docs, files = encode_each(paths, tokenizer)
+    return join_documents(docs, eos_id), files
+
+
+def choose_val_documents(lengths: list[int], fraction: float, seed: int = 0) -> list[int]:
+    """Indices (ascending) of the documents to hold out: about `fraction` of all tokens, whole
+    documents spread over the corpus.
+
+    The documents are visited in a seeded random order (numpy default_rng(seed).permutation);
+    each is held out if it still fits in the target (fraction * total tokens, separators not
+    counted). If no document fits, the smallest is held out. At least one document always stays
+    for training (fraction < 1 and each pick fits in the target)."""
+    if len(lengths) < 2:
+        raise ValueError(f"holding out whole documents needs >= 2 documents (input files), got "
+                         f"{len(lengths)}; pass more files, or val_split='tail' "
+                         "(--val-split tail) to hold out the stream's tail")
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {fraction}")
+    target = fraction * sum(lengths)
+    chosen, held = [], 0
+    for i in np.random.default_rng(seed).permutation(len(lengths)).tolist():
+        if held + lengths[i] <= target:
+            chosen.append(i)
+            held += lengths[i]
+    if not chosen:
+        chosen = [min(range(len(lengths)), key=lambda i: (lengths[i], i))]
+    return sorted(chosen)
 
 
 def sidecar_path(out_path: str | Path) -> Path:
@@ -210,6 +255,21 @@ def tokenize_files(paths: list[str | Path], tokenizer: Tokenizer, out_path: str 
     return write_tokens(tokens, out_path, vocab_size=tokenizer.get_vocab_size(), meta=meta)
 
 
+def token_file_info(path: str | Path) -> dict:
+    """The .json sidecar of a token file ({} when there is none)."""
+    return _read_json(sidecar_path(path))
+
+
+def separator_id(path: str | Path) -> int:
+    """The document separator of a token file: the EOS id its sidecar records."""
+    eos = token_file_info(path).get("eos_id")
+    if not isinstance(eos, int):
+        raise ValueError(f"{path}: its sidecar {sidecar_path(path).name} records no eos_id (the "
+                         "document separator); write the file with `echo-tp tokenize`, or add "
+                         '"eos_id" to the sidecar')
+    return eos
+
+
 def load_tokens(path: str | Path, *, dtype: str | None = None) -> torch.Tensor:
     """A token file as a 1-D LongTensor; dtype comes from the .json sidecar unless given."""
     path = Path(path)
@@ -227,33 +287,57 @@ def load_tokens(path: str | Path, *, dtype: str | None = None) -> torch.Tensor:
 
 
 def val_path_for(out: str | Path) -> Path:
-    """train.bin -> train.val.bin, where `main` writes the held-out tail."""
+    """train.bin -> train.val.bin, where `main` writes the held-out split."""
     out = Path(out)
     return out.with_name(f"{out.stem}.val{out.suffix or '.bin'}")
 
 
-def main(inputs: list[str], tokenizer_dir: str | None, out: str,
-         val_fraction: float = 0.0) -> list[Path]:
-    """Tokenize inputs (files or directories of *.txt) into out; with val_fraction > 0 the last
-    val_fraction of the tokens go to val_path_for(out) instead. Returns the files written."""
+VAL_SPLITS = ("documents", "tail")
+
+
+def main(inputs: list[str], tokenizer_dir: str | None, out: str, val_fraction: float = 0.0, *,
+         val_split: str = "documents", seed: int = 0) -> list[Path]:
+    """Tokenize inputs (files or directories of *.txt; one file = one document) into out. With
+    val_fraction > 0 a held-out split goes to val_path_for(out): val_split="documents" holds out
+    whole documents, about val_fraction of the tokens, chosen by choose_val_documents(seed);
+    "tail" the last val_fraction of the token stream. Returns the files written."""
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    if val_split not in VAL_SPLITS:
+        raise ValueError(f"val_split must be one of {VAL_SPLITS}, got {val_split!r}")
     path = resolve_tokenizer_dir(tokenizer_dir)
     tokenizer = build_tokenizer(path)
-    tokens, files = encode_documents(inputs, tokenizer)
-    meta = {"tokenizer": path.name, "eos_id": tokenizer.token_to_id(DEFAULT_EOS),
-            "n_documents": len(files), "sources": [f.name for f in files]}
+    eos_id = _eos_id(tokenizer, DEFAULT_EOS)
+    docs, files = encode_each(inputs, tokenizer)
+    meta = {"tokenizer": path.name, "eos_id": eos_id}
     vocab_size = tokenizer.get_vocab_size()
-    n_val = 0 if val_fraction == 0 else max(1, round(tokens.size * val_fraction))
-    if n_val >= tokens.size:
-        raise ValueError(f"val_fraction {val_fraction} leaves no training tokens of {tokens.size}")
+    names = [f.name for f in files]
+    if val_fraction == 0:
+        splits = [(Path(out), join_documents(docs, eos_id), names, "all")]
+    elif val_split == "documents":
+        val = set(choose_val_documents([d.size for d in docs], val_fraction, seed))
+        keep = [i for i in range(len(docs)) if i not in val]
+        splits = [(Path(out), join_documents([docs[i] for i in keep], eos_id),
+                   [names[i] for i in keep], "train"),
+                  (val_path_for(out), join_documents([docs[i] for i in sorted(val)], eos_id),
+                   [names[i] for i in sorted(val)], "val")]
+        meta.update(val_split="documents", split_seed=seed)
+    else:
+        tokens = join_documents(docs, eos_id)
+        n_val = max(1, round(tokens.size * val_fraction))
+        if n_val >= tokens.size:
+            raise ValueError(f"val_fraction {val_fraction} leaves no training tokens of "
+                             f"{tokens.size}")
+        splits = [(Path(out), tokens[:tokens.size - n_val], names, "train"),
+                  (val_path_for(out), tokens[tokens.size - n_val:], names, "val")]
+        meta.update(val_split="tail")
     written = []
-    splits = [(Path(out), tokens[:tokens.size - n_val], "train" if n_val else "all")]
-    if n_val:
-        splits.append((val_path_for(out), tokens[tokens.size - n_val:], "val"))
-    for dest, part, split in splits:
-        info = write_tokens(part, dest, vocab_size=vocab_size, meta={**meta, "split": split})
-        print(f"wrote {dest}: {info['n_tokens']:,} tokens ({info['dtype']}, {split})")
+    for dest, part, sources, split in splits:
+        info = write_tokens(part, dest, vocab_size=vocab_size,
+                            meta={**meta, "n_documents": len(sources), "sources": sources,
+                                  "split": split})
+        print(f"wrote {dest}: {info['n_tokens']:,} tokens, {len(sources)} documents "
+              f"({info['dtype']}, {split})")
         written.append(dest)
     return written
 

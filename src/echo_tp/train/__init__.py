@@ -1,8 +1,10 @@
-"""`echo-tp train`: TP pretraining with Echo in forward and backward (loop.py), seeded token
-batches (data.py), CSV + PNG loss log (log.py)."""
-from .data import TokenBatches, eval_batches
+"""`echo-tp train`: TP pretraining with Echo in forward and backward (loop.py), the model per
+mode and its checkpoints (model.py), seeded token batches, BOS-started document packing
+(data.py), CSV + PNG loss log (log.py)."""
+from .data import IGNORE, TokenBatches, eval_batches, pack_documents
 from .log import LossLog, plot_losses
 from .loop import TrainOptions, build_optimizer, lr_at, main
 
 __all__ = ["TrainOptions", "main", "lr_at", "build_optimizer", "TokenBatches", "eval_batches",
+           "pack_documents", "IGNORE",
            "LossLog", "plot_losses"]

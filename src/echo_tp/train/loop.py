@@ -2,22 +2,39 @@
 
     main(model="qwen3-150m", train_data="train.bin", val_data="train.val.bin", comm="echo4",
          steps=2000, seq_len=1024, batch_size=8, grad_accum=4, lr=3.5e-4, simulate=4)
+    main(model="qwen3-100m-8k", model_fields=("n_layers=24", "dim=512"), train_data=...,
+         bos=True, compile=True, time_budget=600, save_dtype="bfloat16")   # one device, plain
 
-- Model: a preset, random init from `seed` on every rank, then tp.parallelize (fp32 master
-  weights; bf16 autocast on CUDA unless amp=False). Or an HF directory with a config.json of a
-  transformers causal LM (any family echo_tp.hf supports): with *.safetensors weights it is
-  loaded by echo_tp.hf.load_hf_tp (fine-tuning; each rank reads its slices), with config.json
-  only it is built by transformers (from_config, seeded by `seed`, the same on every rank) and
-  sharded by parallelize_hf; fp32 either way. Checkpoints are then written by echo_tp.hf.save_hf.
-- Data: train/data.py, order fixed by `seed`: the same batches for every comm config.
+- Model (train/model.py): a preset, a .json model config or an HF directory, KEY=VALUE fields on
+  top (`model_fields`); random init from `seed` on every rank, then tp.parallelize (fp32 master
+  weights; bf16 autocast on CUDA unless amp=False). A group of one (no simulate / world_size /
+  torchrun, or any of them with P = 1) trains the plain single-device model: no communicator, no
+  TP layers (a sum over one rank is its input exactly, so the comm config changes nothing).
+  compile=True wraps the model in torch.compile (meant for the plain path; a simulated TP
+  model runs compiled too, with the same losses; its speed is not measured).
+- Data: train/data.py, order fixed by `seed`: the same batches for every comm config. bos=True:
+  every row starts with BOS and holds whole document pieces (documents split at the token file's
+  eos_id; BOS = bos_id, default that same id, as in GPT-2-style vocabularies); padding is not
+  scored. The validation rows are packed the same way.
 - Step: grad_accum micro-batches (loss / grad_accum), tp.sync_partial_grads, clipping on the
-  global grad norm (tp.clip_grad_norm_: split parameters all slices, replicated ones once), AdamW
-  (betas 0.9/0.95, weight decay on matrices only), linear warmup then cosine to min_lr.
+  global grad norm (tp.clip_grad_norm_: split parameters all slices, replicated ones once; the
+  plain path: torch.nn.utils.clip_grad_norm_), AdamW (betas 0.9/0.95, weight decay on matrices
+  only), linear warmup then cosine to min_lr at `steps`.
+- Host syncs: loss and grad norm stay on the device and are read every `sync_every` steps (one
+  read for them all); log.csv still gets one row per step, a non-finite loss is raised at the
+  read that sees it. elapsed_s is the host clock when the step was queued. Batches reach CUDA
+  through pinned memory (no wait on queued work).
+- time_budget (seconds, counted from the first step, compile time included): the run stops after
+  the first step that ends past it (real ranks: rank 0's clock decides, one broadcast per step),
+  then evaluates and saves as at a normal end. The LR schedule stays the one over `steps`, so a
+  budget-stopped run ends before its cosine does; to end both together, set `steps` from the
+  steps/s a short run prints.
 - Every eval_every steps (and at the end): mean loss over the first eval_batches batches of
   val_data, same comm config. Every save_every steps (and at the end): whole weights gathered
-  from the shards and written as an HF checkpoint (out_dir/checkpoints/step-N).
+  from the shards, written in save_dtype (float32 default, or bfloat16) as an HF checkpoint
+  (out_dir/checkpoints/step-N) that `echo-tp eval` loads.
 - out_dir/log.csv (per step) and out_dir/loss.png; out_dir/train_config.json.
-Runs simulated (simulate=P), on P gloo processes (world_size=P) or under torchrun (NCCL on GPUs).
+Runs plain, simulated (simulate=P), on P gloo processes (world_size=P) or under torchrun.
 """
 from __future__ import annotations
 
@@ -29,34 +46,44 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
-from echo_tp.models import ModelConfig, build_meta_model, init_weights, load_tokens, \
-    save_hf_checkpoint
-from echo_tp.tp import (clip_grad_norm_, grad_norm, parallelize, parse_comm_spec,
-                        sync_partial_grads, unshard)
-from echo_tp.tp.runtime import launch, make_comm, rank_device
+from echo_tp.models import load_tokens
+from echo_tp.models.tokenize import separator_id
+from echo_tp.tp import clip_grad_norm_, grad_norm, parse_comm_spec, sync_partial_grads
+from echo_tp.tp.runtime import in_torchrun, launch, make_comm, rank_device
 
 from .data import TokenBatches, eval_batches
 from .log import LossLog, plot_losses
-
+from .model import SAVE_DTYPES, Built, build_model, is_hf_dir, model_config, save_checkpoint
 
 @dataclass(frozen=True, kw_only=True)
 class TrainOptions:
     model: str
-    """Model preset name (echo_tp.models.PRESETS), or an HF directory (see the module doc)."""
+    """Model preset name (echo_tp.models.PRESETS), a .json model config (ModelConfig fields,
+    optionally on a "preset"; or a transformers config.json) or an HF directory."""
     train_data: str
     """Token file (.bin + .json sidecar) to train on."""
+    model_fields: tuple[str, ...] = ()
+    """KEY=VALUE ModelConfig fields changed on top of the preset or .json file."""
     val_data: str | None = None
     """Held-out token file for periodic evaluation (None: no evaluation)."""
     comm: str = "16"
     """Comm spec string (tp.policy), used at every forward and backward site."""
     steps: int = 1000
+    """Optimizer steps; the LR schedule's length (also when time_budget stops the run early)."""
+    time_budget: float | None = None
+    """Wall-clock seconds: stop after the first step that ends past it (see the module doc)."""
     seq_len: int = 1024
     batch_size: int = 8
     """Sequences per micro-batch."""
     grad_accum: int = 1
     """Micro-batches per optimizer step."""
+    bos: bool = False
+    """Rows start with BOS and pack whole document pieces (train/data.py)."""
+    bos_id: int | None = None
+    """BOS token id (default: the token file's eos_id, its document separator)."""
     lr: float = 3e-4
     min_lr: float | None = None
     """End of the cosine decay (default lr / 10)."""
@@ -70,6 +97,12 @@ class TrainOptions:
     eval_every: int = 0
     eval_batches: int = 20
     save_every: int = 0
+    save_dtype: str = "float32"
+    """Checkpoint dtype: float32 (the master weights as they are) or bfloat16 (half the size)."""
+    compile: bool = False
+    """torch.compile the model (its forward and backward)."""
+    sync_every: int = 10
+    """Read loss and grad norm from the device every N steps (one host sync per N steps)."""
     out_dir: str = "runs/train"
     seed: int = 0
     device: str | None = None
@@ -78,7 +111,8 @@ class TrainOptions:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("steps", "seq_len", "batch_size", "grad_accum", "eval_batches"):
+        for name in ("steps", "seq_len", "batch_size", "grad_accum", "eval_batches",
+                     "sync_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("warmup", "eval_every", "save_every"):
@@ -88,6 +122,13 @@ class TrainOptions:
             raise ValueError(f"need lr > 0 and 0 <= min_lr <= lr, got {self.lr}, {self.min_lr}")
         if self.clip < 0 or self.weight_decay < 0:
             raise ValueError("clip and weight_decay must be >= 0")
+        if self.time_budget is not None and not self.time_budget > 0:
+            raise ValueError(f"time_budget must be > 0 seconds, got {self.time_budget}")
+        if self.save_dtype not in SAVE_DTYPES:
+            raise ValueError(f"save_dtype must be one of {sorted(SAVE_DTYPES)}, got "
+                             f"{self.save_dtype!r}")
+        if self.bos_id is not None and (not self.bos or self.bos_id < 0):
+            raise ValueError(f"bos_id needs bos=True and an id >= 0, got {self.bos_id}")
 
 
 def lr_at(step: int, o: TrainOptions) -> float:
@@ -108,39 +149,30 @@ def build_optimizer(model, o: TrainOptions) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
 
 
-def is_hf_dir(spec: str) -> bool:
-    """An HF directory (config.json), not a preset name; ValueError for a dir without one."""
-    path = Path(spec)
-    if not path.is_dir():
-        return False
-    if not (path / "config.json").is_file():
-        raise ValueError(f"{spec} is a directory without config.json: pass a preset name or an "
-                         "HF directory (config.json, optionally *.safetensors)")
-    return True
+def data_ids(o: TrainOptions) -> dict:
+    """BOS and document-separator ids of the token files ({} unless o.bos)."""
+    if not o.bos:
+        return {}
+    sep = separator_id(o.train_data)
+    ids = {"bos_id": sep if o.bos_id is None else o.bos_id, "sep_id": sep}
+    if o.val_data:
+        ids["val_sep_id"] = separator_id(o.val_data)
+    return ids
 
 
-def _build_hf(o: TrainOptions, comm, rank, device, policy):
-    """(parallelized transformers model in train mode, its config as a dict, vocab_size)."""
-    import transformers
-
-    from echo_tp.hf import load_hf_tp, parallelize_hf
-    from echo_tp.hf.plan import text_config
-    if any(Path(o.model).glob("*.safetensors")):
-        model = load_hf_tp(o.model, comm, rank, dtype=torch.float32, device=device,
-                           policy=policy)
-    else:
-        config = transformers.AutoConfig.from_pretrained(o.model)
-        torch.manual_seed(o.seed)  # the same init on every rank (built whole, then sharded)
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        parallelize_hf(model.to(device), comm, rank, policy=policy)
-    return model.train(), model.config.to_dict(), text_config(model).vocab_size
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU batch on device; to CUDA through pinned memory, so the copy does not wait for the
+    work already queued (a copy from pageable memory would: a host sync per micro-batch)."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def _loss(model, x, y, amp: bool, device) -> torch.Tensor:
     with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=amp):
         logits = model(x)  # [B, T, V]
         logits = getattr(logits, "logits", logits)  # a transformers ModelOutput
-    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())  # padding (-100) skipped
 
 
 @torch.no_grad()
@@ -151,129 +183,175 @@ def evaluate(model, batches, amp: bool, device) -> float:
     return total / len(batches)
 
 
+def _grad_norm(built: Built, clip: float) -> torch.Tensor:
+    """Global grad norm before clipping (clipped in place when clip > 0); no host sync."""
+    if built.mode == "plain":
+        params = [p for p in built.model.parameters() if p.grad is not None]
+        if clip > 0:
+            return torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+        return torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+    sync_partial_grads(built.model)
+    return clip_grad_norm_(built.model, clip) if clip > 0 else grad_norm(built.model)
+
+
+def _over_budget(o: TrainOptions, elapsed: float, built: Built, device) -> bool:
+    if o.time_budget is None:
+        return False
+    over = elapsed >= o.time_budget
+    if built.mode == "ranks":  # every rank stops at the same step: rank 0's clock decides
+        flag = torch.tensor(float(over), device=device)
+        dist.broadcast(flag, 0)
+        over = bool(flag)
+    return over
+
+
 def _rank_train(rank: int | None, world_size: int, o: TrainOptions) -> dict:
     device = rank_device(o.device, rank)
     amp = device.type == "cuda" if o.amp is None else o.amp
     main = rank in (None, 0)
     spec = parse_comm_spec(o.comm)
-    comm = make_comm(rank, world_size, spec.config)
-    if is_hf_dir(o.model):
-        cfg = None
-        model, model_config, vocab_size = _build_hf(o, comm, rank, device, spec.policy)
-    else:
-        cfg = ModelConfig.from_name(o.model)
-        model = init_weights(build_meta_model(cfg).to_empty(device=device), seed=o.seed).train()
-        parallelize(model, comm, rank, policy=spec.policy)
-        model_config, vocab_size = dataclasses.asdict(cfg), cfg.vocab_size
+    comm = None if world_size == 1 else make_comm(rank, world_size, spec.config)
+    built = build_model(o.model, o.model_fields, seed=o.seed, comm=comm, rank=rank,
+                        world_size=world_size, device=device, policy=spec.policy)
+    model = built.model
+    forward = torch.compile(model) if o.compile else model
     opt = build_optimizer(model, o)
+    ids = data_ids(o)
     tokens = load_tokens(o.train_data)
-    for name, t in (("train", tokens),):
-        if t.numel() and int(t.max()) >= vocab_size:
-            raise ValueError(f"{name} token id {int(t.max())} >= vocab_size {vocab_size}")
-    batches = TokenBatches(tokens, seq_len=o.seq_len, batch_size=o.batch_size, seed=o.seed)
+    top = max(int(tokens.max()) if tokens.numel() else -1, ids.get("bos_id", -1))
+    if top >= built.vocab_size:
+        raise ValueError(f"train token id {top} (BOS included) >= vocab_size "
+                         f"{built.vocab_size}: data and model use different tokenizers")
+    batches = TokenBatches(tokens, seq_len=o.seq_len, batch_size=o.batch_size, seed=o.seed,
+                           bos_id=ids.get("bos_id"), sep_id=ids.get("sep_id"))
     val = None
     if o.val_data:
         val = eval_batches(load_tokens(o.val_data), seq_len=o.seq_len,
-                           batch_size=o.batch_size, max_batches=o.eval_batches)
+                           batch_size=o.batch_size, max_batches=o.eval_batches,
+                           bos_id=ids.get("bos_id"), sep_id=ids.get("val_sep_id"))
     out = Path(o.out_dir)
     log = None
     if main:
         out.mkdir(parents=True, exist_ok=True)
         (out / "train_config.json").write_text(json.dumps(
-            {**dataclasses.asdict(o), "world_size": world_size, "simulated": rank is None,
-             "comm_config": spec.as_dict(), "model_config": model_config},
-            indent=2) + "\n")
+            {**dataclasses.asdict(o), "world_size": world_size, "mode": built.mode,
+             "simulated": built.mode == "simulated", **ids, "comm_config": spec.as_dict(),
+             "model_config": built.config}, indent=2) + "\n")
         log = LossLog(out / "log.csv")
     bar = None
     if main and o.progress:
         from tqdm import tqdm
-        bar = tqdm(total=o.steps, desc=f"train {spec.label}", unit="step")
+        bar = tqdm(total=o.steps, desc=f"train {spec.label} ({built.mode})", unit="step")
     tokens_per_step = o.batch_size * o.grad_accum * o.seq_len
+    pending: list[tuple] = []  # (step, lr, loss, norm, elapsed), loss and norm on the device
+    state = {"loss": None}
+
+    def read_pending() -> None:  # one host sync for every pending step
+        if not pending:
+            return
+        values = torch.stack([torch.stack([p[2], p[3].double()]) for p in pending]).tolist()
+        for (step, lr, _, _, elapsed), (loss, norm) in zip(pending, values):
+            if not math.isfinite(loss):
+                raise RuntimeError(f"loss is {loss} at step {step} ({spec.label}); lower the "
+                                   "learning rate or use more bits")
+            if log is not None:
+                log.append(step=step, tokens=step * tokens_per_step, lr=lr, loss=loss,
+                           grad_norm=norm, val_loss=None, elapsed_s=elapsed)
+        if bar is not None:
+            bar.update(len(pending))
+            bar.set_postfix(loss=f"{values[-1][0]:.3f}")
+        state["loss"] = values[-1][0]
+        pending.clear()
+
     t0 = time.perf_counter()
-    val_loss = None
+    val_loss, done, stopped = None, 0, "steps"
     for step in range(o.steps):
         lr = lr_at(step, o)
         for group in opt.param_groups:
             group["lr"] = lr
         opt.zero_grad(set_to_none=True)
-        loss_sum = 0.0
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         for _ in range(o.grad_accum):
             x, y = next(batches)
-            loss = _loss(model, x.to(device), y.to(device), amp, device)
+            loss = _loss(forward, _to(x, device), _to(y, device), amp, device)
             (loss / o.grad_accum).backward()
-            loss_sum += float(loss.detach())
-        step_loss = loss_sum / o.grad_accum
-        if not math.isfinite(step_loss):
-            raise RuntimeError(f"loss is {step_loss} at step {step + 1} ({spec.label}); lower "
-                               "the learning rate or use more bits")
-        sync_partial_grads(model)
-        norm = float(clip_grad_norm_(model, o.clip) if o.clip > 0 else grad_norm(model))
+            loss_sum += loss.detach().double()
+        norm = _grad_norm(built, o.clip)
         opt.step()
-        if log is not None:
-            log.append(step=step + 1, tokens=(step + 1) * tokens_per_step, lr=lr, loss=step_loss,
-                       grad_norm=norm, val_loss=None, elapsed_s=time.perf_counter() - t0)
-        last = step + 1 == o.steps
-        if val is not None and ((o.eval_every and (step + 1) % o.eval_every == 0) or last):
-            val_loss = evaluate(model, val, amp, device)
+        done = step + 1
+        elapsed = time.perf_counter() - t0
+        pending.append((done, lr, loss_sum / o.grad_accum, norm.detach(), elapsed))
+        if _over_budget(o, elapsed, built, device):
+            stopped = "time_budget"
+        last = done == o.steps or stopped != "steps"
+        do_eval = val is not None and ((o.eval_every and done % o.eval_every == 0) or last)
+        do_save = (o.save_every and done % o.save_every == 0) or last
+        if last or do_eval or do_save or done % o.sync_every == 0:
+            read_pending()
+        if do_eval:
+            val_loss = evaluate(forward, val, amp, device)
             model.train()
             if log is not None:
                 log.set_val(val_loss)
-        if (o.save_every and (step + 1) % o.save_every == 0) or last:
-            _save(model, cfg, out / "checkpoints" / f"step-{step + 1}", main)
-        if bar is not None:
-            bar.set_postfix(loss=f"{step_loss:.3f}", **({"val": f"{val_loss:.3f}"}
-                                                        if val_loss is not None else {}))
-            bar.update(1)
+            if bar is not None:
+                bar.set_postfix(loss=f"{state['loss']:.3f}", val=f"{val_loss:.3f}")
+        if do_save:
+            save_checkpoint(built, out / "checkpoints" / f"step-{done}", main=main,
+                            dtype=o.save_dtype)
+        if last:
+            break
+    seconds = time.perf_counter() - t0
     if bar is not None:
         bar.close()
     if not main:
         return {}
     plot = plot_losses(log.rows, out / "loss.png", title=f"{Path(o.model).name}, "
-                       f"TP={world_size}, "
-                       f"comm {spec.label}")
+                       f"TP={world_size} ({built.mode}), comm {spec.label}")
     losses = [r["loss"] for r in log.rows]
     tail = losses[-min(100, len(losses)):]
-    return {"comm": spec.label, "steps": o.steps, "tokens": o.steps * tokens_per_step,
+    return {"comm": spec.label, "mode": built.mode, "steps": done, "planned_steps": o.steps,
+            "stopped_by": stopped, "tokens": done * tokens_per_step,
             "first_loss": losses[0], "final_loss": losses[-1], "tail_loss": sum(tail) / len(tail),
             "val_loss": val_loss, "log": str(log.path), "plot": str(plot),
-            "checkpoint": str(out / "checkpoints" / f"step-{o.steps}"),
-            "seconds": time.perf_counter() - t0}
-
-
-def _save(model, cfg, path: Path, main: bool) -> None:
-    if cfg is None:  # a transformers model
-        from echo_tp.hf import save_hf
-        save_hf(model, path)  # collective on real ranks; rank 0 writes
-        return
-    whole = unshard(model)  # collective on real ranks
-    if main:
-        save_hf_checkpoint(whole, cfg, path)
+            "checkpoint": str(out / "checkpoints" / f"step-{done}"), "seconds": seconds,
+            "tokens_per_s": done * tokens_per_step / seconds}
 
 
 def main(*, model: str, train_data: str, val_data: str | None = None, comm: str = "16",
-         steps: int = 1000, seq_len: int = 1024, batch_size: int = 8, grad_accum: int = 1,
-         lr: float = 3e-4, min_lr: float | None = None, warmup: int = 100,
-         weight_decay: float = 0.1, clip: float = 1.0, eval_every: int = 0,
-         eval_batches: int = 20, save_every: int = 0, out_dir: str = "runs/train", seed: int = 0,
-         device: str | None = None, amp: bool | None = None, simulate: int | None = None,
-         world_size: int | None = None, progress: bool = True) -> dict:
+         model_fields: tuple[str, ...] | list[str] = (), steps: int = 1000,
+         time_budget: float | None = None, seq_len: int = 1024, batch_size: int = 8,
+         grad_accum: int = 1, bos: bool = False, bos_id: int | None = None, lr: float = 3e-4,
+         min_lr: float | None = None, warmup: int = 100, weight_decay: float = 0.1,
+         clip: float = 1.0, eval_every: int = 0, eval_batches: int = 20, save_every: int = 0,
+         save_dtype: str = "float32", compile: bool = False, sync_every: int = 10,
+         out_dir: str = "runs/train", seed: int = 0, device: str | None = None,
+         amp: bool | None = None, simulate: int | None = None, world_size: int | None = None,
+         progress: bool = True) -> dict:
     """Train (arguments as in TrainOptions) on simulate=P virtual ranks, world_size=P gloo
-    processes or under torchrun. Prints a summary on rank 0 and returns it ({} elsewhere)."""
-    o = TrainOptions(model=model, train_data=train_data, val_data=val_data, comm=comm,
-                     steps=steps, seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum,
-                     lr=lr, min_lr=min_lr, warmup=warmup, weight_decay=weight_decay, clip=clip,
-                     eval_every=eval_every, eval_batches=eval_batches, save_every=save_every,
-                     out_dir=out_dir, seed=seed, device=device, amp=amp, progress=progress)
+    processes or under torchrun; with none of them (or P = 1) the plain single-device model.
+    Prints a summary on rank 0 and returns it ({} elsewhere)."""
+    o = TrainOptions(model=model, train_data=train_data, model_fields=tuple(model_fields),
+                     val_data=val_data, comm=comm, steps=steps, time_budget=time_budget,
+                     seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum, bos=bos,
+                     bos_id=bos_id, lr=lr, min_lr=min_lr, warmup=warmup,
+                     weight_decay=weight_decay, clip=clip, eval_every=eval_every,
+                     eval_batches=eval_batches, save_every=save_every, save_dtype=save_dtype,
+                     compile=compile, sync_every=sync_every, out_dir=out_dir, seed=seed,
+                     device=device, amp=amp, progress=progress)
     parse_comm_spec(o.comm)  # fail fast, before any process starts
-    if not is_hf_dir(o.model):
-        ModelConfig.from_name(o.model)
+    model_config(o.model, o.model_fields)
+    data_ids(o)
+    if simulate is None and world_size is None and not in_torchrun():
+        simulate = 1  # a group of one: the plain model, in this process
     run = launch(_rank_train, o, simulate=simulate, world_size=world_size)
     if run.is_main:
         r = run.result
-        print(f"{o.model} | comm {r['comm']} | {r['steps']} steps, {r['tokens']:,} tokens | "
-              f"loss {r['first_loss']:.4f} -> {r['final_loss']:.4f} (tail mean "
-              f"{r['tail_loss']:.4f})"
+        stop = (f" (time budget {o.time_budget:g}s, of {r['planned_steps']})"
+                if r["stopped_by"] == "time_budget" else "")
+        print(f"{o.model} | {r['mode']} | comm {r['comm']} | {r['steps']} steps{stop}, "
+              f"{r['tokens']:,} tokens | loss {r['first_loss']:.4f} -> {r['final_loss']:.4f} "
+              f"(tail mean {r['tail_loss']:.4f})"
               + (f" | val {r['val_loss']:.4f}" if r["val_loss"] is not None else "")
-              + f" | {r['seconds']:.1f}s")
+              + f" | {r['seconds']:.1f}s, {r['tokens_per_s']:,.0f} tokens/s")
         print(f"log {r['log']}, plot {r['plot']}, checkpoint {r['checkpoint']}")
     return run.result
