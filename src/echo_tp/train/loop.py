@@ -264,6 +264,7 @@ def _rank_train(rank: int | None, world_size: int, o: TrainOptions) -> dict:
         pending.clear()
 
     t0 = time.perf_counter()
+    t_step1 = t_last = t0
     val_loss, done, stopped = None, 0, "steps"
     for step in range(o.steps):
         lr = lr_at(step, o)
@@ -286,8 +287,12 @@ def _rank_train(rank: int | None, world_size: int, o: TrainOptions) -> dict:
         last = done == o.steps or stopped != "steps"
         do_eval = val is not None and ((o.eval_every and done % o.eval_every == 0) or last)
         do_save = (o.save_every and done % o.save_every == 0) or last
-        if last or do_eval or do_save or done % o.sync_every == 0:
-            read_pending()
+        if last or do_eval or do_save or done % o.sync_every == 0 or done == 1:
+            read_pending()                     # a device sync: the clock below sees the work
+            if done == 1:
+                t_step1 = time.perf_counter()  # compile and warm-up are in step 1
+            if last:
+                t_last = time.perf_counter()
         if do_eval:
             val_loss = evaluate(forward, val, amp, device)
             model.train()
@@ -314,7 +319,9 @@ def _rank_train(rank: int | None, world_size: int, o: TrainOptions) -> dict:
             "first_loss": losses[0], "final_loss": losses[-1], "tail_loss": sum(tail) / len(tail),
             "val_loss": val_loss, "log": str(log.path), "plot": str(plot),
             "checkpoint": str(out / "checkpoints" / f"step-{done}"), "seconds": seconds,
-            "tokens_per_s": done * tokens_per_step / seconds}
+            "tokens_per_s": done * tokens_per_step / seconds,
+            "steady_tokens_per_s": (done - 1) * tokens_per_step / (t_last - t_step1)
+            if done > 1 and t_last > t_step1 else None}
 
 
 def main(*, model: str, train_data: str, val_data: str | None = None, comm: str = "16",
@@ -352,6 +359,8 @@ def main(*, model: str, train_data: str, val_data: str | None = None, comm: str 
               f"{r['tokens']:,} tokens | loss {r['first_loss']:.4f} -> {r['final_loss']:.4f} "
               f"(tail mean {r['tail_loss']:.4f})"
               + (f" | val {r['val_loss']:.4f}" if r["val_loss"] is not None else "")
-              + f" | {r['seconds']:.1f}s, {r['tokens_per_s']:,.0f} tokens/s")
+              + f" | {r['seconds']:.1f}s, {r['tokens_per_s']:,.0f} tokens/s"
+              + (f" ({r['steady_tokens_per_s']:,.0f} after step 1)"
+                 if r.get("steady_tokens_per_s") else ""))
         print(f"log {r['log']}, plot {r['plot']}, checkpoint {r['checkpoint']}")
     return run.result
