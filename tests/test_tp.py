@@ -289,3 +289,34 @@ def test_bad_tp_sizes_are_refused():
     parallelize(model, SimulatedCommunicator(2, two_timescale(bits=16)))
     with pytest.raises(ValueError, match="already parallelized"):
         parallelize(model, SimulatedCommunicator(2, two_timescale(bits=16)))
+
+
+def test_block_boundaries_are_fused_all_reduce_add_rmsnorm(monkeypatch):
+    """Under TP (P > 1) each layer's two block boundaries are one comm.all_reduce_add_rmsnorm
+    call each (2 per layer per forward pass: the all-reduce, the residual add and the next
+    RMSNorm, the model's last norm included), training included (gradients within the 16-bit
+    tolerances of the single-device model: test_tp_matches_single_device_at_16_bits covers
+    every case); a row-parallel bias keeps the plain path; a group of one stays plain."""
+    from echo_tp.communicator import EchoCommunicator
+    calls = []
+    real = EchoCommunicator.all_reduce_add_rmsnorm
+
+    def counting(self, *a, **kw):
+        calls.append(kw.get("bits"))
+        return real(self, *a, **kw)
+    monkeypatch.setattr(EchoCommunicator, "all_reduce_add_rmsnorm", counting)
+    ref = build("qwen3")
+    model = parallelize(copy.deepcopy(ref), SimulatedCommunicator(2, EchoConfig(bits=16)))
+    n = len(model.model.layers)
+    assert all(layer.boundaries is not None for layer in model.model.layers)
+    want, got = step(ref), step(model)
+    assert len(calls) == 2 * n
+    torch.testing.assert_close(got, want, atol=LOGIT_ATOL, rtol=0)
+    calls.clear()
+    biased = parallelize(build("llama-bias"), SimulatedCommunicator(2, EchoConfig(bits=16)))
+    assert all(layer.boundaries is None for layer in biased.model.layers)
+    step(biased)
+    assert not calls
+    one = parallelize(build("qwen3"), SimulatedCommunicator(1))
+    assert all(layer.boundaries is None for layer in one.model.layers)
+    torch.testing.assert_close(step(one), want, atol=0, rtol=0)   # a group of one: exact

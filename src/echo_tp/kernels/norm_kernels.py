@@ -36,13 +36,14 @@ def _as_f32(v, KIND: tl.constexpr):
 
 
 @triton.jit
-def add_rmsnorm_kernel(y_ptr, res_ptr, w_ptr, out_ptr, rout_ptr, H, eps,
+def add_rmsnorm_kernel(y_ptr, res_ptr, w_ptr, out_ptr, rout_ptr, H, chunks, eps,
                        X_KIND: tl.constexpr, W_KIND: tl.constexpr, O_KIND: tl.constexpr,
                        L: tl.constexpr):
     row = tl.program_id(0).to(tl.int64) * H
     lanes = tl.arange(0, L)
     acc = tl.zeros([L], tl.float32)
-    for c in range(0, tl.cdiv(H, L)):                       # pass 1: add, store, sum of squares
+    c = 0
+    while c < chunks:                                       # pass 1: add, store, sum of squares
         offs = c * L + lanes
         m = offs < H
         s = _load_f32(y_ptr + row + offs, m, X_KIND) + _load_f32(res_ptr + row + offs, m, X_KIND)
@@ -50,6 +51,7 @@ def add_rmsnorm_kernel(y_ptr, res_ptr, w_ptr, out_ptr, rout_ptr, H, eps,
         tl.store(rout_ptr + row + offs, r, mask=m)
         v = _as_f32(r, X_KIND)
         acc = acc + tl.where(m, v * v, 0.0)
+        c += 1
     acc = _halve(acc, L)
     acc = _halve(acc, L // 2)
     acc = _halve(acc, L // 4)
@@ -61,13 +63,15 @@ def add_rmsnorm_kernel(y_ptr, res_ptr, w_ptr, out_ptr, rout_ptr, H, eps,
     one = tl.full([1], 1.0, tl.float32)
     ss = tl.math.div_rn(acc, tl.full([1], 1.0, tl.float32) * H) + eps
     inv = tl.math.div_rn(one, tl.math.sqrt_rn(ss))
-    for c in range(0, tl.cdiv(H, L)):                       # pass 2: normalize, scale
+    c = 0
+    while c < chunks:                                       # pass 2: normalize, scale
         offs = c * L + lanes
         m = offs < H
         v = _load_f32(rout_ptr + row + offs, m, X_KIND)
         xn = _as_f32(_cast_out(v * inv, X_KIND), X_KIND)
         w = _load_f32(w_ptr + offs, m, W_KIND)
         tl.store(out_ptr + row + offs, _cast_out(w * xn, O_KIND), mask=m)
+        c += 1
 
 
 def add_rmsnorm(y: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -81,7 +85,8 @@ def add_rmsnorm(y: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     normed = torch.empty(y.shape, dtype=out_dtype, device=y.device)
     rout = torch.empty_like(y)
     rows = y.numel() // h
-    launch(add_rmsnorm_kernel, (rows,), (y, residual, weight, normed, rout, h, float(eps)),
+    chunks = -(-h // LANES)
+    launch(add_rmsnorm_kernel, (rows,), (y, residual, weight, normed, rout, h, chunks, float(eps)),
            dict(X_KIND=DTYPE_KIND[y.dtype], W_KIND=DTYPE_KIND[weight.dtype],
                 O_KIND=DTYPE_KIND[out_dtype], L=LANES, num_warps=4))
     return normed, rout

@@ -191,6 +191,9 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
+        self.boundaries: tuple | None = None
+        """Set by the TP engine (tp/parallelize.py): (after attention, after the MLP) functions
+        (norm, residual, partial) -> (normed, residual + all_reduce(partial)); None: plain."""
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, start_pos: int,
                 cache: LayerKVCache | None) -> torch.Tensor:
@@ -199,6 +202,22 @@ class DecoderLayer(nn.Module):
         h = x + attn_out
         mlp_out = self.mlp(self.post_attention_layernorm(h))
         return h + mlp_out
+
+    def step(self, normed: torch.Tensor, h: torch.Tensor, next_norm: RMSNorm, cos, sin, *,
+             start_pos: int, cache: LayerKVCache | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer from its input's norm: (input_layernorm(h), h) -> (next_norm(out), out),
+        out = forward(h). Each block boundary (residual add, then the next RMSNorm) is one
+        `boundaries` call under TP: the all-reduce, the add and the norm in one."""
+        attn_out = self.self_attn(normed, cos, sin, start_pos=start_pos, cache=cache)
+        after_attn, after_mlp = self.boundaries or (_add_norm, _add_norm)
+        normed, h = after_attn(self.post_attention_layernorm, h, attn_out)
+        return after_mlp(next_norm, h, self.mlp(normed))
+
+
+def _add_norm(norm: RMSNorm, residual: torch.Tensor, out: torch.Tensor):
+    """-> (norm(residual + out), residual + out): the plain block boundary."""
+    h = residual + out
+    return norm(h), h
 
 
 class DecoderStack(nn.Module):
@@ -247,12 +266,15 @@ class Transformer(nn.Module):
         h = self.model.embed_tokens(tokens)  # [B, T, dim]
         positions = torch.arange(start_pos, start_pos + T, device=tokens.device)
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
-        for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, start_pos=start_pos,
-                      cache=None if kv_cache is None else kv_cache[i])
+        layers = self.model.layers
+        normed = layers[0].input_layernorm(h) if len(layers) else self.model.norm(h)
+        for i, layer in enumerate(layers):
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            normed, h = layer.step(normed, h, nxt, cos, sin, start_pos=start_pos,
+                                   cache=None if kv_cache is None else kv_cache[i])
         if last_only:
-            h = h[:, -1:]
-        return self.lm_head(self.model.norm(h))  # [B, T, V]
+            normed = normed[:, -1:]                    # the norm is per position
+        return self.lm_head(normed)  # [B, T, V]
 
     @torch.inference_mode()
     def generate(self, prompt_tokens: torch.Tensor, max_new_tokens: int, greedy: bool = True, *,

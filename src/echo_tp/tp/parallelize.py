@@ -40,8 +40,8 @@ from .blocks import set_local_heads as _set_local_heads
 from .plan import (TP_PLAN, BlockInput, Colwise, PartialGradReplicate, Rowwise, SplitParams,
                    match_plan, replica_groups, site_index, unit_rows)
 from .policy import make_policy
-from .sites import (BackwardPassStart, CopyToTP, ReduceFromTP, SimCopy, SimReduce, Site,
-                    TPContext)
+from .sites import (BackwardPassStart, CopyToTP, ReduceAddNorm, ReduceFromTP, SimCopy, SimReduce,
+                    Site, TPContext)
 
 
 class RowwiseLinear(nn.Module):
@@ -54,10 +54,12 @@ class RowwiseLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias)
         self.site = site
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.partial_out = False
+        """True: the layer's boundary sums the partial (fused with its add and RMSNorm)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = F.linear(x, self.weight)  # [..., out], this rank's share of the sum
-        if self.site is None:
+        if self.site is None or self.partial_out:
             return partial
         y = ReduceFromTP.apply(partial, self.site)
         return y if self.bias is None else y + self.bias
@@ -80,6 +82,8 @@ class SimTPBlock(nn.Module):
         self.bias = bias  # the row-parallel layer's bias, added once after the sum
         self.split_cache = _split_layer_cache if split_cache is None else split_cache
         self._caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.partial_out = False
+        """True: return the [P, ...] stack of partials; the layer's boundary sums it."""
 
     def forward(self, *args, **kwargs):
         """x [B, T, dim] (same on every virtual rank; first positional or `hidden_states=`)
@@ -96,6 +100,8 @@ class SimTPBlock(nn.Module):
             outs.append(shard(*a, **kw))
         tup = isinstance(outs[0], tuple)
         partials = [o[0] if tup else o for o in outs]  # P x [B, T, dim]
+        if self.partial_out and not tup:
+            return torch.stack(partials)
         y = SimReduce.apply(torch.stack(partials), self.site)
         y = y if self.bias is None else y + self.bias
         if not tup:
@@ -169,11 +175,44 @@ def parallelize(model: Transformer, comm, rank: int | None = None, *, policy=Non
         if orphans:
             raise ValueError(f"row-parallel modules outside any BlockInput entry of the plan: "
                              f"{orphans}; their partial outputs would never be summed")
+    if isinstance(model, Transformer) and plan is TP_PLAN and P > 1:
+        _fuse_boundaries(model, simulated)
     _record_replicas(tp, model)
     model.echo_tp = tp
     pass_root.register_forward_pre_hook(_forward_pass_hook(tp))
     pass_root.register_forward_hook(_backward_pass_hook(tp))
     return model
+
+
+def _fuse_boundaries(model: Transformer, simulated: bool) -> None:
+    """Each layer's two block boundaries become comm.all_reduce_add_rmsnorm calls (the
+    all-reduce of the block's partial, the residual add and the next RMSNorm: one kernel pass
+    on CUDA, bit for bit echo_tp.norm's reference): the attention's and MLP's row-parallel
+    output then stays a partial. Blocks with a row-parallel bias keep the plain path."""
+    for layer in model.model.layers:
+        blocks, sites = (layer.self_attn, layer.mlp), []
+        for block in blocks:
+            if simulated:
+                ok = isinstance(block, SimTPBlock) and block.bias is None
+                sites.append(block.site if ok else None)
+                continue
+            rows = [m for m in block.modules() if isinstance(m, RowwiseLinear)]
+            ok = len(rows) == 1 and rows[0].bias is None and rows[0].site is not None
+            sites.append(rows[0].site if ok else None)
+        if None in sites:
+            continue
+        for block in blocks:
+            targets = [block] if simulated else \
+                [m for m in block.modules() if isinstance(m, RowwiseLinear)]
+            for t in targets:
+                t.partial_out = True
+        layer.boundaries = tuple(_fused_boundary(site) for site in sites)
+
+
+def _fused_boundary(site: Site):
+    def boundary(norm, residual: torch.Tensor, partial: torch.Tensor):
+        return ReduceAddNorm.apply(partial, residual, norm.weight, norm.eps, site)
+    return boundary
 
 
 def set_comm(model: Transformer, comm, *, policy=None) -> None:

@@ -69,6 +69,15 @@ class Site:
         return self.tp.comm.all_reduce(partial, direction="forward", bits=self.tp.bits(self.index),
                                        inplace=not partial.requires_grad)
 
+    def forward_reduce_add_norm(self, partial, residual, weight, eps):
+        """A block boundary: (normed, residual + all_reduce(partial)), comm.all_reduce_add_rmsnorm
+        at this site's bits (simulated: partial [P, ...], outputs of virtual rank 0)."""
+        normed, rout = self.tp.comm.all_reduce_add_rmsnorm(
+            partial, residual, weight, eps, direction="forward", bits=self.tp.bits(self.index))
+        if self.tp.simulated:
+            normed, rout = normed[0].clone(), rout[0].clone()
+        return normed, rout
+
     def backward_reduce(self, grad: torch.Tensor) -> torch.Tensor:
         return self.tp.comm.all_reduce(grad, direction="backward", bits=self.tp.bits(self.index))
 
@@ -96,6 +105,37 @@ class ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad, None
+
+
+class ReduceAddNorm(torch.autograd.Function):
+    """g fused with the block boundary after it: (normed, residual_out) = (RMSNorm(residual +
+    all_reduce(partial)) * weight, residual + all_reduce(partial)). Backward: the RMSNorm's and
+    the add's (the models' RMSNorm formula, by autograd on residual_out); the all-reduce's is the
+    identity, as for ReduceFromTP (simulated: every virtual shard's partial gets it)."""
+
+    @staticmethod
+    def forward(ctx, partial, residual, weight, eps: float, site: Site):
+        normed, rout = site.forward_reduce_add_norm(partial, residual, weight, eps)
+        ctx.save_for_backward(rout, weight)
+        ctx.eps, ctx.shape = eps, partial.shape
+        return normed, rout
+
+    @staticmethod
+    def backward(ctx, dnormed, drout):
+        rout, weight = ctx.saved_tensors
+        if dnormed is None:
+            dnormed = torch.zeros_like(rout, dtype=torch.promote_types(weight.dtype, rout.dtype))
+        with torch.enable_grad():
+            r = rout.detach().requires_grad_()
+            w = weight.detach().requires_grad_(weight.requires_grad)
+            rf = r.float()
+            normed = w * (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + ctx.eps)).to(r.dtype)
+            want = (r, w) if w.requires_grad else (r,)
+            grads = torch.autograd.grad(normed, want, dnormed, allow_unused=True)
+        dr = grads[0] if drout is None else grads[0] + drout
+        dw = grads[1] if w.requires_grad else None
+        dpartial = dr if len(ctx.shape) == dr.dim() else dr.unsqueeze(0).expand(ctx.shape)
+        return dpartial, dr, dw, None, None
 
 
 class SimCopy(torch.autograd.Function):
