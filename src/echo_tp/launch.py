@@ -3,7 +3,8 @@ value.
 
     results = run_ranks(world_size, fn, *args)   # fn(rank, world_size, *args) -> picklable
 
-Used by the demo, the CLI's CPU paths, the tests and the GPU benchmarks (backend='nccl'). fn must be importable (module level).
+Used by the demo, the CLI's CPU paths, the tests and the GPU benchmarks (backend='nccl'). fn
+must be importable (module level).
 Every outcome ends in bounded time with a name: the first rank that fails (or dies) is reported
 at once and the others are stopped; ranks still running after `timeout` seconds are stopped and
 named; an interrupt of the parent (Ctrl-C, SIGINT) stops every rank before it propagates. Inside
