@@ -209,20 +209,24 @@ def _fused_input(P, n, dtype, seed, scale):
 
 
 def _check_fused(P, cfg, n, dtype, backward, calls, seed, state_dtype=torch.float32,
-                 compact=False, tile=256, step=2048):
+                 compact=False, tile=256, step=2048, make_input=None, after_call=None):
     """SimulatedFused against compensated_all_reduce over SimTransport: y, m1, m2 bit for bit
-    over `calls` consecutive calls (the state feeds back; the flags' epoch advances)."""
+    over `calls` consecutive calls (the state feeds back; the flags' epoch advances).
+    make_input(call) -> x [P, n] (default _fused_input); after_call(call, y, state): more checks."""
     sim = sf.SimulatedFused(P, tile_elems=tile, step_elems=step)
     ref_state = CompState.zeros((P, n), "cpu", state_dtype, compact=compact)
     state = CompState.zeros((P, n), "cpu", state_dtype, compact=compact)
     for call in range(calls):
-        x = _fused_input(P, n, dtype, seed=seed + call, scale=1e-6 if backward else 1.0)
+        x = make_input(call) if make_input is not None else \
+            _fused_input(P, n, dtype, seed=seed + call, scale=1e-6 if backward else 1.0)
         want, _ = compensated_all_reduce(x, cfg, SimTransport(P), state=ref_state,
                                          backward=backward)
         got = sim(x, cfg, state=state, backward=backward)
         assert_bits_equal(got, want, f"y call={call}")
         assert_bits_equal(state.m1, ref_state.m1, f"m1 call={call}")
         assert_bits_equal(state.m2, ref_state.m2, f"m2 call={call}")
+        if after_call is not None:
+            after_call(call, got, state)
     return state
 
 
@@ -242,20 +246,15 @@ def test_fused_edge_sequences_match_reference(P, bits, quantizer, residual, dtyp
     cfg = two_timescale(bits=bits, quantizer=quantizer, residual=residual,
                         state_dtype="bfloat16" if sdtype == torch.bfloat16 else "float32")
     n = 1100 + 37 * P
-    sim = sf.SimulatedFused(P, tile_elems=256)
-    ref_state = CompState.zeros((P, n), "cpu", sdtype)
-    state = CompState.zeros((P, n), "cpu", sdtype)
-    for call in range(5):
-        x = edge_input(P, n, dtype, call, seed=3100 + 10 * P + bits)
-        want, _ = compensated_all_reduce(x, cfg, SimTransport(P), state=ref_state,
-                                         backward=backward)
-        got = sim(x, cfg, state=state, backward=backward)
-        assert_bits_equal(got, want, f"y call={call}")
-        assert_bits_equal(state.m1, ref_state.m1, f"m1 call={call}")
-        assert_bits_equal(state.m2, ref_state.m2, f"m2 call={call}")
+
+    def finite(call, got, state):
         assert torch.isfinite(state.m1).all() and torch.isfinite(state.m2).all(), call
         if call != 1:                                   # finite input: finite y
             assert torch.isfinite(got).all(), call
+    _check_fused(P, cfg, n, dtype, backward, calls=5, seed=0, state_dtype=sdtype,
+                 tile=256, make_input=lambda call: edge_input(P, n, dtype, call,
+                                                              seed=3100 + 10 * P + bits),
+                 after_call=finite)
 
 
 @pytest.mark.parametrize("P,bits,quantizer,residual,dtype,backward", FUSED_CASES, ids=str)

@@ -7,7 +7,7 @@ as each table's `fallback` says; `Tables.with_overrides` applies the two user ov
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 MiB = 1 << 20
 
@@ -138,7 +138,6 @@ class Tables:
 
     def with_overrides(self, *, p2p_min_bytes: int | None,
                        oneshot_max_bytes: int | None) -> "Tables":
-        from dataclasses import replace
         return replace(self, p2p_min_bytes_forced=p2p_min_bytes,
                        oneshot_max_bytes_forced=oneshot_max_bytes)
 
