@@ -82,7 +82,14 @@ def _eval(sub):
                    "plain RoPE) or transformers' own model through echo_tp.hf.load_hf_tp "
                    "('transformers': any family with a base_model_tp_plan); auto: echo where it "
                    "reproduces the config, else transformers")
-    p.add_argument("--out", default=None, help="JSON results file")
+    p.add_argument("--last-word", action="store_true", help="also score last-word accuracy "
+                   "(LAMBADA-style: the greedy prediction of each sentence's final word)")
+    p.add_argument("--calibration-data", default=None, help="token or text file of the "
+                   "calibration pass of telemetry policies (policy=telemetry@BITS; default: --data)")
+    p.add_argument("--calibration-windows", type=int, default=8)
+    p.add_argument("--rotate", type=int, default=None, metavar="SEED", help="fold a hidden-size "
+                   "rotation (Hadamard x random signs of this seed) into the weights first")
+    p.add_argument("--out", default=None, help="JSON results file (with per-window NLLs)")
     p.add_argument("--no-progress", action="store_true")
     _tp_mode(p)
 
@@ -92,7 +99,9 @@ def _eval(sub):
              batch_size=a.batch_size, max_windows=a.max_windows, simulate=a.simulate,
              world_size=a.world_size, seed=a.seed, dtype=a.dtype, device=a.device,
              tokenizer=a.tokenizer, out=a.out, progress=not a.no_progress,
-             impl=a.model_impl, bos=a.bos or a.bos_id is not None, bos_id=a.bos_id)
+             impl=a.model_impl, bos=a.bos or a.bos_id is not None, bos_id=a.bos_id,
+             last_word=a.last_word, calibration_data=a.calibration_data,
+             calibration_windows=a.calibration_windows, rotate=a.rotate)
     p.set_defaults(func=run)
 
 

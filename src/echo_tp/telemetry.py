@@ -2,9 +2,9 @@
 
 Each call leaves a row. On a real rank the row holds what that rank knows without extra
 communication: its send rounding energy ||x'_j - x^_j||^2 over the segments it sends, the exact
-requantization energy ||s - y||^2 of the segment it owns, and ||c||^2, ||x||^2. `summary()` adds
+requantization energy ||s - y||^2 of the segment it owns, and ||c||^2, ||x||^2, ||y||^2. `summary()` adds
 these over the group in ONE small all-reduce per call of `summary` (never per site): their sum
-estimates ||delta_k||^2 (exact when the rounding errors of different ranks are uncorrelated).
+estimates ||delta_k||^2 (||y||^2 is kept once, y being the same on every rank; exact when the rounding errors of different ranks are uncorrelated).
 The simulated backend sees every rank, so its rows also hold the exact norms of
 delta_k = y_k - sum_i x'_{k,i}, rho_k = y_k - sum_i x_{k,i} and the partial sum S_t = sum rho_k.
 Values stay on the device until read, so recording adds no host synchronization.
@@ -35,7 +35,8 @@ class Telemetry:
         """x [*B, N] caller's input (uncompensated), y [*B, N] output, rec: qar.StepRecord."""
         row = {"pass": self._pass[direction], "direction": direction, "site": site, "bits": bits,
                "numel": x.shape[-1],
-               "x_sq": x.to(torch.float32).square().sum(-1)}
+               "x_sq": x.to(torch.float32).square().sum(-1),
+               "y_sq": (y[0] if simulated else y).to(torch.float32).square().sum()}
         if rec is not None:
             row["sent_err_sq"] = rec.sent_err_sq
             row["requant_err_sq"] = rec.requant_err_sq
@@ -61,7 +62,7 @@ class Telemetry:
         per-rank energies are summed over the group and 'delta_norm_est' is added."""
         if not self.rows:
             return []
-        keys = ("x_sq", "sent_err_sq", "requant_err_sq", "corr_sq")
+        keys = ("x_sq", "sent_err_sq", "requant_err_sq", "corr_sq", "y_sq")
         vals = torch.stack([torch.stack([r[k].to(torch.float64).sum() if k in r
                                          else torch.zeros((), dtype=torch.float64,
                                                           device=r["x_sq"].device)
@@ -70,6 +71,7 @@ class Telemetry:
         if not simulated and reduce and dist.is_initialized():
             vals = vals.to(self.rows[0]["x_sq"].device)
             dist.all_reduce(vals, group=group)
+            vals[:, 4] /= dist.get_world_size(group)   # y is the same on every rank
         vals = vals.cpu()
         out = []
         for r, v in zip(self.rows, vals):

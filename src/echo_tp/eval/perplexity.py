@@ -44,9 +44,14 @@ import torch.nn.functional as F
 
 from echo_tp.models import (ModelConfig, build_meta_model, build_tokenizer, init_weights,
                             load_hf_checkpoint, load_tokens, resolve_model_config)
-from echo_tp.models.tokenize import DEFAULT_EOS, resolve_tokenizer_dir, separator_id
+from echo_tp.models.tokenize import (DEFAULT_EOS, resolve_tokenizer_dir, separator_id,
+                                     token_file_info)
 from echo_tp.tp import parallelize, parse_comm_specs, set_comm
+from echo_tp.tp.policy import average_wire_bits, telemetry_budget, telemetry_policy
 from echo_tp.tp.runtime import launch, make_comm, rank_device
+
+from .lastword import target_spans, token_classes, word_hits
+from .stats import gap_closed_table, paired_difference
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -72,6 +77,14 @@ class EvalOptions:
     impl: str = "auto"
     """HF directories: 'auto', 'echo' (the project's Transformer) or 'transformers'."""
     progress: bool = True
+    last_word: bool = False
+    """Also score last-word accuracy (eval/lastword.py) on the same windows."""
+    calibration_data: str | None = None
+    """Token or text file of the calibration pass of telemetry policies (default: `data`)."""
+    calibration_windows: int = 8
+    """Windows of that pass (from the start of the calibration data)."""
+    rotate: int | None = None
+    """Fold a hidden-size rotation of this seed into the weights first (models/rotate.py)."""
 
 
 IMPLS = ("auto", "echo", "transformers")
@@ -154,13 +167,26 @@ def data_bos_id(data: str, *, model_spec: str, tokenizer: str | None) -> int:
     return bos
 
 
+@dataclass
+class WindowScores:
+    """What one config scores on the windows: nll [W] float64 (summed NLL per window), count
+    [W] int64 (scored targets per window), correct [n_tokens] int8 (1 / 0: the argmax predicted
+    the token at that position right / wrong; -1: not a scored target)."""
+
+    nll: torch.Tensor
+    count: torch.Tensor
+    correct: torch.Tensor
+
+
 @torch.inference_mode()
-def window_nll(model, tokens: torch.Tensor, windows, *, context: int, batch_size: int, device,
-               bar=None, bos_id: int | None = None) -> tuple[float, int]:
-    """(sum of NLL in float64, scored tokens) over windows of `context` tokens (each read after
-    a BOS token when bos_id is given; its position is not scored)."""
+def window_scores(model, tokens: torch.Tensor, windows, *, context: int, batch_size: int,
+                  device, bar=None, bos_id: int | None = None) -> WindowScores:
+    """Per-window NLL and per-token argmax hits over windows of `context` tokens (each read
+    after a BOS token when bos_id is given; its position is not scored)."""
     T = context
-    total, count = 0.0, 0
+    nll_w = torch.zeros(len(windows), dtype=torch.float64)
+    count_w = torch.zeros(len(windows), dtype=torch.long)
+    correct = torch.full((tokens.numel(),), -1, dtype=torch.int8)
     for i in range(0, len(windows), batch_size):
         batch = windows[i:i + batch_size]
         x = torch.stack([tokens[s:s + T] for s, _ in batch]).to(device)          # [B, T]
@@ -172,13 +198,23 @@ def window_nll(model, tokens: torch.Tensor, windows, *, context: int, batch_size
         if bos_id is not None:
             logits = logits[:, 1:]  # the BOS position predicts x's first token: not scored
         nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
-        nll = nll.view(len(batch), T)
-        for b, (_, first) in enumerate(batch):
-            total += float(nll[b, first:].double().sum())
-            count += T - first
+        nll = nll.view(len(batch), T).double().cpu()
+        hit = (logits.argmax(-1) == y).to(torch.int8).cpu()                     # [B, T]
+        for b, (s, first) in enumerate(batch):
+            nll_w[i + b] = nll[b, first:].sum()
+            count_w[i + b] = T - first
+            correct[s + 1 + first:s + 1 + T] = hit[b, first:]
         if bar is not None:
             bar.update(len(batch))
-    return total, count
+    return WindowScores(nll=nll_w, count=count_w, correct=correct)
+
+
+def window_nll(model, tokens: torch.Tensor, windows, *, context: int, batch_size: int, device,
+               bar=None, bos_id: int | None = None) -> tuple[float, int]:
+    """(sum of NLL in float64, scored tokens) over the windows (window_scores, summed)."""
+    sc = window_scores(model, tokens, windows, context=context, batch_size=batch_size,
+                       device=device, bar=bar, bos_id=bos_id)
+    return float(sc.nll.sum()), int(sc.count.sum())
 
 
 def _rank_eval(rank: int | None, world_size: int, opts: EvalOptions) -> list[dict]:
@@ -199,6 +235,9 @@ def _rank_eval(rank: int | None, world_size: int, opts: EvalOptions) -> list[dic
         model, cfg = load_model(opts.model, seed=opts.seed, dtype=DTYPES[opts.dtype],
                                 device=device)
         vocab_size, forward = cfg.vocab_size, model
+        if opts.rotate is not None:
+            from echo_tp.models.rotate import rotate_hidden
+            rotate_hidden(model, opts.rotate)
     tokens = load_eval_tokens(opts.data, model_spec=opts.model, tokenizer=opts.tokenizer)
     if tokens.numel() and int(tokens.max()) >= vocab_size:
         raise ValueError(f"token id {int(tokens.max())} >= the model's vocab_size "
@@ -207,44 +246,160 @@ def _rank_eval(rank: int | None, world_size: int, opts: EvalOptions) -> list[dic
         raise ValueError(f"BOS id {opts.bos_id} is outside the model's vocabulary "
                          f"[0, {vocab_size})")
     windows = sliding_windows(tokens.numel(), opts.context, opts.stride, opts.max_windows)
+    calib = _calibration_windows(opts, specs, vocab_size)
     main = rank in (None, 0)
     bar = None
     if opts.progress and main:
         from tqdm import tqdm
         bar = tqdm(total=len(windows) * len(specs), desc="eval", unit="win")
-    results = []
+    results, scores = [], []
     for i, spec in enumerate(specs):
+        policy, extra = spec.policy, {}
+        if telemetry_budget(policy) is not None:
+            policy, extra = _calibrate(forward, model, rank, world_size, spec, calib, opts,
+                                       device, first_use=i == 0 and not hf)
         if i == 0 and hf:
             comm = first  # load_hf_tp parallelized with it
         else:
             comm = make_comm(rank, world_size, spec.config)
-        if i == 0 and not hf:
-            parallelize(model, comm, rank, policy=spec.policy)
-        elif i > 0:
-            set_comm(model, comm, policy=spec.policy)
+        if i == 0 and not hf and not extra:
+            parallelize(model, comm, rank, policy=policy)
+        elif i > 0 or extra:
+            set_comm(model, comm, policy=policy)
         if bar is not None:
             bar.set_postfix_str(spec.label)
         t0 = time.perf_counter()
-        nll, n = window_nll(forward, tokens, windows, batch_size=opts.batch_size, device=device,
-                            bar=bar, context=opts.context, bos_id=opts.bos_id)
-        results.append({**spec.as_dict(), "ppl": math.exp(nll / n), "nll": nll / n,
+        sc = window_scores(forward, tokens, windows, batch_size=opts.batch_size, device=device,
+                           bar=bar, context=opts.context, bos_id=opts.bos_id)
+        nll, n = float(sc.nll.sum()), int(sc.count.sum())
+        scores.append(sc)
+        results.append({**spec.as_dict(), **extra, "ppl": math.exp(nll / n), "nll": nll / n,
                         "tokens": n, "windows": len(windows),
                         "seconds": time.perf_counter() - t0})
         comm.close()
     if bar is not None:
         bar.close()
+    _add_statistics(results, scores, tokens, windows, opts, model.echo_tp.n_layers)
     return results
 
 
+def _calibration_windows(opts: EvalOptions, specs, vocab_size: int):
+    """(tokens, windows) of the calibration pass of telemetry policies (None if none asks)."""
+    if not any(telemetry_budget(s.policy) is not None for s in specs):
+        return None
+    data = opts.calibration_data or opts.data
+    tokens = load_eval_tokens(data, model_spec=opts.model, tokenizer=opts.tokenizer)
+    if tokens.numel() and int(tokens.max()) >= vocab_size:
+        raise ValueError(f"calibration data {data}: token id {int(tokens.max())} >= the "
+                         f"model's vocab_size {vocab_size}")
+    return tokens, sliding_windows(tokens.numel(), opts.context, None, opts.calibration_windows)
+
+
+def _calibrate(forward, model, rank, world_size, spec, calib, opts, device, *, first_use):
+    """One telemetry pass at the spec's own width -> (its {site: bits} table, row fields)."""
+    score, budget = telemetry_budget(spec.policy)
+    comm = make_comm(rank, world_size, spec.config, telemetry=True)
+    if first_use:
+        parallelize(model, comm, rank)
+    else:
+        set_comm(model, comm)
+    tokens, windows = calib
+    window_scores(forward, tokens, windows, batch_size=opts.batch_size, device=device,
+                  context=opts.context, bos_id=opts.bos_id)
+    rows = comm.telemetry_summary()
+    comm.close()
+    table = telemetry_policy(rows, budget, spec.config, score=score)
+    numel = {int(r["site"]): int(r["numel"]) for r in rows if r["direction"] == "forward"}
+    return table, {"policy_table": {str(k): v for k, v in sorted(table.items())},
+                   "wire_bits": average_wire_bits(spec.config, table, numel),
+                   "calibration": {"data": opts.calibration_data or opts.data,
+                                   "windows": len(windows)}}
+
+
+def _reference_rows(results: list[dict]) -> tuple[int | None, int | None]:
+    """Indices of the 16-bit row and the uncompensated 4-bit row (labels '16' and '4' first,
+    else the first row of that kind), None where absent."""
+    def find(label, test):
+        for i, r in enumerate(results):
+            if r["label"] == label:
+                return i
+        return next((i for i, r in enumerate(results) if test(r)), None)
+    r16 = find("16", lambda r: r["bits"] == 16 and r["policy"] in ("config", "16"))
+    r4 = find("4", lambda r: r["bits"] == 4 and r["eta"] == 0 and r["policy"] == "config")
+    return r16, r4
+
+
+def _add_statistics(results, scores, tokens, windows, opts: EvalOptions, n_layers: int) -> None:
+    """Wire bits of every row; with a 16-bit and a 4-bit row, the gap each row closes with a
+    paired-bootstrap interval over windows; with opts.last_word, last-word accuracy."""
+    for r, spec in zip(results, parse_comm_specs(list(opts.comms))):
+        if "wire_bits" not in r:
+            r["wire_bits"] = _policy_wire_bits(spec, n_layers)
+    nll = torch.stack([sc.nll for sc in scores])                          # [C, W]
+    count = scores[0].count
+    r16, r4 = _reference_rows(results)
+    if r16 is not None and r4 is not None:
+        for r, st in zip(results, gap_closed_table(nll, count, r16, r4, seed=opts.seed)):
+            r.update(st)
+    elif r16 is not None:
+        for r, st in zip(results, gap_closed_table(nll, count, r16, r16, seed=opts.seed)):
+            r.update({k: v for k, v in st.items() if k.startswith("ppl_change")})
+    for r, sc in zip(results, scores):
+        r["window_nll"] = sc.nll.tolist()
+    if opts.last_word:
+        classes = token_classes(build_tokenizer(resolve_tokenizer_dir(_data_tokenizer(opts))),
+                                int(max(int(tokens.max()) + 1, 1)))
+        spans = target_spans(tokens, windows, opts.context, classes)
+        hits = torch.stack([word_hits(sc.correct, spans) for sc in scores])  # [C, K]
+        ref = r16 if r16 is not None else 0
+        for r, st in zip(results, paired_difference(hits, ref, seed=opts.seed)):
+            r.update({"last_word_" + k: v for k, v in st.items()}, last_word_targets=len(spans))
+
+
+def _policy_wire_bits(spec, n_layers: int) -> float:
+    """Average wire bits per value of a preset policy (every site the same size)."""
+    from echo_tp.tp.policy import make_policy, wire_bits_per_value
+    fn = make_policy(spec.policy, n_layers)
+    bits = [wire_bits_per_value(spec.config, fn(s)) for s in range(2 * n_layers)]
+    return sum(bits) / len(bits)
+
+
+def _data_tokenizer(opts: EvalOptions) -> str | None:
+    """The tokenizer of the eval data: a token file's sidecar name, else as for text."""
+    if Path(opts.data).suffix == ".bin":
+        return token_file_info(opts.data).get("tokenizer") or opts.tokenizer
+    return _text_tokenizer_dir(opts.model, opts.tokenizer)
+
+
 def format_table(results: list[dict]) -> str:
-    """A fixed-width table: one row per comm config, ppl change against the first row."""
+    """A fixed-width table: one row per comm config, ppl change against the first row; with
+    bootstrap statistics (see _add_statistics), the gap closed and its 95% interval, the wire
+    bits per value and the last-word accuracy."""
     base = results[0]["ppl"]
     width = max(12, *(len(r["label"]) for r in results))
-    lines = [f"{'comm config':<{width}}  {'ppl':>10}  {'vs ' + results[0]['label']:>12}  "
-             f"{'tokens':>9}  {'s':>7}"]
+    gap = any(r.get("gap_closed") is not None for r in results)
+    lw = any(r.get("last_word_accuracy") is not None for r in results)
+    head = (f"{'comm config':<{width}}  {'ppl':>10}  {'vs ' + results[0]['label']:>12}  "
+            f"{'tokens':>9}  {'s':>7}")
+    if "wire_bits" in results[0]:
+        head += f"  {'bits/val':>8}"
+    if gap:
+        head += f"  {'gap closed [95% CI]':>24}"
+    if lw:
+        head += f"  {'last-word %':>11}"
+    lines = [head]
     for r in results:
-        lines.append(f"{r['label']:<{width}}  {r['ppl']:>10.4f}  {r['ppl'] - base:>+12.4f}  "
-                     f"{r['tokens']:>9}  {r['seconds']:>7.1f}")
+        line = (f"{r['label']:<{width}}  {r['ppl']:>10.4f}  {r['ppl'] - base:>+12.4f}  "
+                f"{r['tokens']:>9}  {r['seconds']:>7.1f}")
+        if "wire_bits" in r:
+            line += f"  {r['wire_bits']:>8.3f}"
+        if gap:
+            g, ci = r.get("gap_closed"), r.get("gap_closed_ci")
+            cell = "" if g is None else f"{g:6.1%} [{ci[0]:6.1%}, {ci[1]:6.1%}]"
+            line += f"  {cell:>24}"
+        if lw:
+            line += f"  {r['last_word_accuracy']:>11.2f}"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -253,7 +408,9 @@ def main(*, model: str, data: str, comms: list[str], context: int = 1024,
          simulate: int | None = None, world_size: int | None = None, seed: int = 0,
          dtype: str = "float32", device: str | None = None, tokenizer: str | None = None,
          out: str | None = None, progress: bool = True, impl: str = "auto", bos: bool = False,
-         bos_id: int | None = None) -> list[dict]:
+         bos_id: int | None = None, last_word: bool = False,
+         calibration_data: str | None = None, calibration_windows: int = 8,
+         rotate: int | None = None) -> list[dict]:
     """Perplexity of `model` on `data` under every comm config; prints a table (rank 0), writes
     JSON to `out` when given, returns the result rows (rank 0's; every rank computes the same).
     bos=True: BOS-started windows (bos_id, default: see the module doc)."""
@@ -267,10 +424,17 @@ def main(*, model: str, data: str, comms: list[str], context: int = 1024,
         raise ValueError("bos_id needs bos=True")
     if bos and bos_id is None:
         bos_id = data_bos_id(data, model_spec=model, tokenizer=tokenizer)
+    if rotate is not None and which != "echo":
+        raise ValueError("rotate: the hidden-size rotation is folded into the project's own "
+                         "Transformer only (model impl 'echo')")
+    if calibration_windows < 1:
+        raise ValueError(f"calibration_windows must be >= 1, got {calibration_windows}")
     opts = EvalOptions(model=model, data=data, comms=tuple(comms), context=context,
                        stride=stride, batch_size=batch_size, max_windows=max_windows, seed=seed,
                        dtype=dtype, device=device, tokenizer=tokenizer, impl=which,
-                       bos_id=bos_id, progress=progress)
+                       bos_id=bos_id, progress=progress, last_word=last_word,
+                       calibration_data=calibration_data,
+                       calibration_windows=calibration_windows, rotate=rotate)
     run = launch(_rank_eval, opts, simulate=simulate, world_size=world_size)
     results = run.result
     if run.is_main:
@@ -284,7 +448,7 @@ def main(*, model: str, data: str, comms: list[str], context: int = 1024,
         if out:
             record = {"model": model, "impl": which, "data": data, "world_size": P, "mode": mode,
                       "context": context, "stride": stride or context, "bos_id": bos_id,
-                      "dtype": dtype, "seed": seed, "results": results}
+                      "dtype": dtype, "seed": seed, "rotate": rotate, "results": results}
             Path(out).parent.mkdir(parents=True, exist_ok=True)
             Path(out).write_text(json.dumps(record, indent=2) + "\n")
     return results

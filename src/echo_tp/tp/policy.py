@@ -7,6 +7,13 @@ block uses the same index, so layer l's bits apply in both directions (tp/sites.
 Presets: 'config' (None everywhere), 'uniform4', 'uniform8', '16' (plain all-reduce), 'early8'
 (sites of the first n_layers // 2 layers at 8 bits, the rest at 4: SPEC §7).
 
+Telemetry policies, 'telemetry@B' and 'telemetry-rel@B' (B: average wire bits per value, e.g.
+5.0): chosen from the collective's own error telemetry (echo_tp.telemetry) on a calibration
+pass at the config's width; the sites with the largest measured rounding error (absolute
+energy ||delta||^2, or relative to the site's output ||delta||^2 / ||y||^2 for '-rel') are
+widened to 8 bits, largest first, while the average wire bits per value stay <= B
+(`telemetry_policy`; `echo-tp eval` runs the calibration pass itself).
+
 Comm spec strings:  NAME[:KEY=VALUE[,KEY=VALUE...]]
     NAME   a preset of EchoConfig.from_name ('16', '8', '4', 'echo8', 'echo4', 'echo4-output',
            'echo4-local', 'echo4bf'), or 'early8' (= echo4 with policy=early8)
@@ -33,6 +40,10 @@ _FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(EchoConfig)}
 def make_policy(spec, n_layers: int) -> BitPolicy:
     """A policy from a preset name, a {site: bits} table, a per-site sequence or a callable."""
     n_sites = SITES_PER_LAYER * n_layers
+    if isinstance(spec, str) and telemetry_budget(spec) is not None:
+        raise ValueError(f"bit policy {spec!r} is chosen from telemetry on a calibration pass: "
+                         "build its table with echo_tp.tp.policy.telemetry_policy (echo-tp eval "
+                         "does this itself) and pass the table")
     if spec is None or spec == "config":
         fn = _none
     elif isinstance(spec, str):
@@ -120,8 +131,9 @@ def parse_comm_spec(text: str) -> CommSpec:
             raise ValueError(f"comm spec {text!r}: unknown key {key!r}; known: "
                              f"{sorted(_FIELD_TYPES) + ['policy', 'g']}")
         changes[key] = _convert(key, value.strip(), text)
-    if policy not in POLICIES:
-        raise ValueError(f"comm spec {text!r}: unknown policy {policy!r}; choose one of {POLICIES}")
+    if policy not in POLICIES and telemetry_budget(policy) is None:
+        raise ValueError(f"comm spec {text!r}: unknown policy {policy!r}; choose one of "
+                         f"{POLICIES} or telemetry@BITS / telemetry-rel@BITS")
     return CommSpec(label=text, config=base.replace(**changes), policy=policy)
 
 
@@ -151,3 +163,73 @@ def _convert(key: str, value: str, text: str):
     except ValueError:
         raise ValueError(f"comm spec {text!r}: {key}={value!r} is not a valid {kind}") from None
     return value
+
+
+TELEMETRY_SCORES = {"telemetry": "absolute", "telemetry-rel": "relative"}
+
+
+def telemetry_budget(policy: str) -> tuple[str, float] | None:
+    """'telemetry@5.0' -> ('absolute', 5.0), 'telemetry-rel@4.6' -> ('relative', 4.6); None for
+    any other policy name. ValueError for a malformed budget."""
+    name, at, budget = policy.partition("@")
+    if name not in TELEMETRY_SCORES:
+        return None
+    try:
+        bits = float(budget) if at else float("nan")
+    except ValueError:
+        bits = float("nan")
+    if not bits > 0:
+        raise ValueError(f"bit policy {policy!r}: expected {name}@BITS with BITS the average wire "
+                         "bits per value, e.g. telemetry@5.0")
+    return TELEMETRY_SCORES[name], bits
+
+
+def wire_bits_per_value(config: EchoConfig, bits: int | None) -> float:
+    """Bits one value costs on the wire at this width (codes + scale words [+ zero-points])."""
+    b = config.bits if bits is None else bits
+    if b == 16:
+        return 16.0
+    spec = config.replace(bits=b).quant_spec()
+    return spec.packet_bytes(spec.group_size) * 8 / spec.group_size
+
+
+def average_wire_bits(config: EchoConfig, table: Mapping[int, int | None], numel: Mapping[int, int]
+                      ) -> float:
+    """The numel-weighted average wire bits per value of a per-site table."""
+    total = sum(numel.values())
+    return sum(wire_bits_per_value(config, table.get(s)) * n for s, n in numel.items()) / total
+
+
+def telemetry_policy(rows: Sequence[Mapping], budget_bits: float, config: EchoConfig, *,
+                     score: str = "absolute", wide_bits: int = 8) -> dict[int, int]:
+    """A {site: bits} table from telemetry summary rows (EchoCommunicator.telemetry_summary of
+    a calibration pass at `config`'s width): forward rows, their error estimate
+    delta_norm_est^2 averaged per site (score 'relative': divided by the site's ||y||^2).
+    Sites are widened to `wide_bits` in decreasing score while the numel-weighted average wire
+    bits per value stay within budget_bits. ValueError when the budget is below the base
+    width's cost or no forward rows are given."""
+    if score not in ("absolute", "relative"):
+        raise ValueError(f"score must be 'absolute' or 'relative', got {score!r}")
+    err: dict[int, float] = {}
+    numel: dict[int, int] = {}
+    for r in rows:
+        if r["direction"] != "forward":
+            continue
+        s = int(r["site"])
+        e = r["delta_norm_est"] ** 2
+        if score == "relative":
+            e = e / max(r.get("y_sq", 0.0), 1e-30)
+        err[s] = err.get(s, 0.0) + e
+        numel[s] = int(r["numel"])
+    if not err:
+        raise ValueError("no forward telemetry rows: run a calibration pass with telemetry=True")
+    table = {s: config.bits for s in err}
+    base = average_wire_bits(config, table, numel)
+    if base > budget_bits + 1e-9:
+        raise ValueError(f"a budget of {budget_bits} bits per value is below the base width's "
+                         f"{base:.3f}")
+    for s in sorted(err, key=err.get, reverse=True):
+        trial = {**table, s: wide_bits}
+        if average_wire_bits(config, trial, numel) <= budget_bits + 1e-9:
+            table = trial
+    return table

@@ -73,9 +73,9 @@ def rank_device(requested: str | None, rank: int | None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def make_comm(rank: int | None, world_size: int, config):
+def make_comm(rank: int | None, world_size: int, config, *, telemetry: bool = False):
     """The communicator of this rank (a SimulatedCommunicator of world_size when rank is None)."""
     from echo_tp.communicator import EchoCommunicator, SimulatedCommunicator
     if rank is None:
-        return SimulatedCommunicator(world_size, config)
-    return EchoCommunicator.from_group(None, config)
+        return SimulatedCommunicator(world_size, config, telemetry=telemetry)
+    return EchoCommunicator.from_group(None, config, telemetry=telemetry)
