@@ -7,7 +7,10 @@
 # Each eval writes its own JSON; evals past the deadline are skipped (and say so).
 set -uo pipefail
 source studies/device_env.sh
-OUT=${OUT:-/tmp/fidelity-out}; mkdir -p "$OUT"
+# at most 8 files come back from a device call: the results go into one archive, rewritten
+# after every step (a call cut short still returns what it finished)
+FINAL=${OUT:-/tmp/fidelity-out}; OUT=/tmp/fidelity-work; rm -rf "$OUT"; mkdir -p "$OUT" "$FINAL"
+pack() { tar -czf "$FINAL/fidelity.tgz" -C "$OUT" .; }
 record_env "$OUT"
 D=.work/data
 CK=$(ls -d .work/testbed/checkpoints/step-* | sort -t- -k2 -n | tail -1)
@@ -21,6 +24,7 @@ run() {  # run NAME ARGS...: one eval unless the deadline has passed
   local t0=$(date +%s)
   $EV "$@" --out "$OUT/$name.json" > "$OUT/$name.txt" 2>&1 || echo "FAILED $name"
   echo "== $name ($(( $(date +%s) - t0 )) s)"; tail -n +2 "$OUT/$name.txt" | cut -c1-140
+  pack
 }
 TB="--model $CK --data $D/gut108.val.bin --calibration-data $D/gut108.bin"
 run tp8 $TB --simulate 8 --comms 16 4 8 echo4 echo4-output early8 echo4:g=64 echo4:g=32 \

@@ -7,12 +7,15 @@
 # Carry .work/data/gut108.{bin,json,val.bin,val.json}.
 set -uo pipefail
 source studies/device_env.sh
-OUT=${OUT:-/tmp/seeds-out}; mkdir -p "$OUT"
+# at most 8 files come back from a device call: the results go into one archive, rewritten
+# after every step (a call cut short still returns what it finished)
+FINAL=${OUT:-/tmp/seeds-out}; OUT=/tmp/seeds-work; rm -rf "$OUT"; mkdir -p "$OUT" "$FINAL"
+pack() { tar -czf "$FINAL/seeds.tgz" -C "$OUT" .; }
 record_env "$OUT"
 D=.work/data
-COMMON="--model studies/testbed/model.json --train-data $D/gut108.bin --val-data $D/gut108.val.bin
-  --bos --batch-size 64 --seq-len 512 --lr 2e-3 --min-lr 2e-4 --weight-decay 0.1 --sync-every 25
-  --eval-batches 40 --simulate 4 --no-progress"
+COMMON="--model ${MODEL:-studies/testbed/model.json} --train-data $D/gut108.bin --val-data $D/gut108.val.bin
+  --bos --batch-size ${BATCH:-64} --seq-len ${SEQ:-512} --lr 2e-3 --min-lr 2e-4 --weight-decay 0.1 --sync-every 25
+  --eval-batches ${EVAL_BATCHES:-40} --simulate 4 --no-progress"
 python3 -m echo_tp.cli train $COMMON --comm echo4 --steps 12 --warmup 1 --out-dir .work/probe \
     > "$OUT/probe.log" 2>&1 || { tail -30 "$OUT/probe.log"; exit 1; }
 # seconds per step after step 1 (compile-free), from the probe's log.csv
@@ -28,5 +31,6 @@ for seed in 0 1; do
         --seed $seed --out-dir $dir > "$OUT/$comm-s$seed.log" 2>&1 || echo "FAILED $comm-s$seed"
     cp $dir/log.csv "$OUT/$comm-s$seed.csv" 2>/dev/null
     tail -2 "$OUT/$comm-s$seed.log" | head -1
+    pack
   done
 done
