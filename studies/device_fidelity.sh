@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Issue 19 items 3-4, one GPU call after studies/device_testbed.sh on the same machine: the main
-# comm configs at simulated TP=8 on 307k held-out tokens (600 BOS-started windows of 512, bf16),
-# per-window NLLs for the paired bootstrap, last-word accuracy; then, on 65k tokens (128 windows)
-# as far as the call's time allows: the testbed rotated (QuaRot-style, folded into the weights),
-# TP=4, and the shipped demo model on WikiText-2 (never trained on).
+# comm configs on 307k held-out tokens (600 BOS-started windows of 512, bf16) at simulated TP=8
+# (the fused p2p kernels of every virtual rank), per-window NLLs for the paired bootstrap,
+# last-word accuracy; the testbed rotated (QuaRot-style, folded into the weights); TP=4; the
+# shipped demo model on WikiText-2 (never trained on), as far as the call's time allows.
 # Carry .work/data/gut108.{bin,json,val.bin,val.json} and .work/data/wiki8k.{bin,json}.
 # Each eval writes its own JSON; evals past the deadline are skipped (and say so).
 set -uo pipefail
@@ -27,13 +27,14 @@ run() {  # run NAME ARGS...: one eval unless the deadline has passed
   echo "== $name ($(( $(date +%s) - t0 )) s)"; tail -n +2 "$OUT/$name.txt" | cut -c1-140
   pack
 }
-TB="--model $CK --data $D/gut108.val.bin --calibration-data $D/gut108.bin"
-run tp8 $TB --simulate 8 --max-windows 600 --comms 16 4 8 echo4 echo4-output echo4:g=64 early8 \
-    'echo4:policy=telemetry-rel@4.6' 'echo4:policy=telemetry-rel@5.5'
-run tp8-rot $TB --simulate 8 --max-windows 128 --rotate 0 --comms 16 4 echo4 echo4:g=64
-run tp4 $TB --simulate 4 --max-windows 128 --comms 16 4 echo4 early8 \
-    'echo4:policy=telemetry-rel@4.6' 'echo4:policy=telemetry@4.6'
+TB="--model $CK --data $D/gut108.val.bin --calibration-data $D/gut108.bin --max-windows 600"
+run tp8 $TB --simulate 8 --comms 16 4 8 echo4 echo4-output echo4:g=64 echo4:g=32 early8 \
+    'echo4:policy=telemetry-rel@4.6' 'echo4:policy=telemetry@4.6' \
+    'echo4:policy=telemetry-rel@5.0' 'echo4:policy=telemetry-rel@5.5'
+run tp8-rot $TB --simulate 8 --rotate 0 --comms 16 4 echo4 echo4:g=64 early8
+run tp4 $TB --simulate 4 --comms 16 4 8 echo4 echo4-output echo4:g=64 early8 \
+    'echo4:policy=telemetry-rel@4.6' 'echo4:policy=telemetry-rel@5.0'
 DM="--model src/echo_tp/assets/models/demo-8k --data $D/wiki8k.bin --calibration-data $D/gut108.bin"
-run demo-tp4 $DM --simulate 4 --max-windows 128 --comms 16 4 echo4 early8 \
-    'echo4:policy=telemetry-rel@4.6'
+run demo-tp4 $DM --simulate 4 --max-windows 600 --comms 16 4 8 echo4 echo4-output echo4:g=64 \
+    early8 'echo4:policy=telemetry-rel@4.6' 'echo4:policy=telemetry-rel@5.0'
 echo "total $(( $(date +%s) - START )) s"

@@ -16,7 +16,7 @@ RUN=.work/testbed
 rm -rf "$RUN"
 python3 -m echo_tp.cli train --model studies/testbed/model.json \
     --train-data $D/gut108.bin --val-data $D/gut108.val.bin --bos --batch-size 64 --seq-len 512 \
-    --steps "${STEPS:-4500}" --time-budget "${BUDGET:-430}" --lr 2e-3 --min-lr 2e-4 \
+    --steps "${STEPS:-3600}" --time-budget "${BUDGET:-340}" --lr 2e-3 --min-lr 2e-4 \
     --warmup 225 --weight-decay 0.1 --compile --save-dtype bfloat16 --sync-every 50 --seed 0 \
     --eval-batches 40 --out-dir $RUN --no-progress > "$OUT/train.log" 2>&1 \
     || { tail -40 "$OUT/train.log"; exit 1; }
@@ -26,6 +26,7 @@ CK=$(ls -d $RUN/checkpoints/step-* | sort -t- -k2 -n | tail -1)
 echo "checkpoint $CK"
 python3 studies/massive_activations.py --model "$CK" --data $D/gut108.val.bin --bos \
     --out "$OUT/massive.json" | tee "$OUT/massive.txt" | tail -3
+[ "${QUICK:-1}" = 1 ] || exit 0
 for P in 8 4; do
   python3 -m echo_tp.cli eval --model "$CK" --data $D/gut108.val.bin --bos --dtype bfloat16 \
       --context 512 --batch-size 16 --max-windows 128 --comms 16 4 echo4 --simulate $P \

@@ -241,14 +241,19 @@ class EchoCommunicator:
 
 class SimulatedCommunicator(EchoCommunicator):
     """P virtual ranks in one process: all_reduce takes [P, ...] (rank i's partial at index i)
-    and returns [P, ...] (identical rows), bit-identical to the P-process run."""
+    and returns [P, ...] (identical rows), bit-identical to the P-process run. On a GPU the
+    quantized calls run the fused p2p kernels of every virtual rank (fused=False or
+    ECHO_BACKEND=reference: the unfused reference; the same bits either way)."""
 
     simulated = True
 
     def __init__(self, world_size: int, config: EchoConfig | None = None, *,
-                 telemetry: bool = False):
+                 telemetry: bool = False, fused: bool = True):
         from .collective.dispatch import TransportBackend
+        from .collective.simulated import FusedSimBackend
         ref = TransportBackend(SimTransport(world_size))
+        if fused and torch.cuda.is_available() and envs.backend() != "reference":
+            ref = FusedSimBackend(ref)   # CUDA calls through the p2p kernels (same bits)
         super().__init__(Dispatcher({"reference": ref}, world_size), config,
                          telemetry=telemetry)
 

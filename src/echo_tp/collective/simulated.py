@@ -52,3 +52,54 @@ class SimTransport:
         del acc
         out[1:].copy_(out[0].expand_as(out[1:]))
         return out
+
+
+class FusedSimBackend:
+    """Simulated calls on a GPU through the fused p2p kernels (kernels/simulated_fused.py: the
+    entry, reduce and tail stages of every virtual rank over per-rank buffers, bit-identical to
+    the reference: tests/test_p2p_gpu.py), with the tile shape the routing policy picks for a
+    real group of this size. Everything else goes to `reference` (a TransportBackend over
+    SimTransport, the same bits): CPU tensors, bits=16, telemetry (the kernels leave no
+    StepRecord) and calls the kernels do not take (kernels.allreduce_plan.supported)."""
+
+    name = "simulated-fused"
+
+    def __init__(self, reference):
+        self.reference = reference
+        self.world_size = reference.world_size
+        self._sims: dict = {}
+
+    def run(self, x: torch.Tensor, cfg, *, state, backward: bool, record: bool,
+            inplace: bool = False, route=None):
+        if not (x.is_cuda and cfg.quantized and not record and x.dim() == 2
+                and x.is_contiguous()):
+            return self.reference.run(x, cfg, state=state, backward=backward, record=record,
+                                      inplace=inplace)
+        from ..kernels.allreduce_plan import supported
+        from .routing import config_unfit
+        if (config_unfit(cfg) is not None
+                or supported(x[0], cfg, None if state is None else _row(state)) is not None):
+            return self.reference.run(x, cfg, state=state, backward=backward, record=record,
+                                      inplace=inplace)
+        return self._sim(x, cfg)(x, cfg, state=state, backward=backward), None
+
+    def _sim(self, x: torch.Tensor, cfg):
+        from ..kernels.simulated_fused import SimulatedFused
+        from . import routing, tuning
+        call = routing.Call.of(x.shape[1], x.element_size(), cfg, self.world_size, on_gpu=True)
+        plan = routing.p2p_route(call, tuning.DEFAULT, "simulated", form="staged")
+        key = (plan.tile, plan.step, plan.num_warps)
+        sim = self._sims.get(key)
+        if sim is None:
+            sim = self._sims[key] = SimulatedFused(self.world_size, tile_elems=plan.tile,
+                                                   step_elems=plan.step,
+                                                   num_warps=plan.num_warps)
+        return sim
+
+    def close(self) -> None:
+        self._sims.clear()
+
+
+def _row(state):
+    from ..compensator import CompState
+    return CompState(state.m1[0], state.m2[0])
