@@ -9,7 +9,8 @@
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src ECHO_FLAG_TIMEOUT_S=20
-nvidia-smi -L; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+nvidia-smi -L
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 T0=$(date +%s)
 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py \
   -k "rmsnorm or residual" > $OUT/pytest_add_norm_gpu.txt 2>&1

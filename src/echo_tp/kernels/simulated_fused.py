@@ -2,10 +2,11 @@
 
 `SimulatedFused` mirrors collective/qar.compensated_all_reduce over SimTransport: x [P, N] ->
 y [P, N], the state (m1, m2 [P, N]) updated in place, bit for bit; with residual= [P, N] it
-returns residual + y instead (the add done by the kernels that write y; same state). Each virtual rank owns a byte
-buffer laid out as on a GPU (allreduce_plan.Layout) and a pointer table to all P buffers;
-stages run entry(all ranks) -> reduce(all) -> tail(all), so every flag a kernel waits for is
-already set. Runs wherever the kernels run: the CPU under TRITON_INTERPRET=1, or one GPU.
+returns residual + y instead (the add done by the kernels that write y; same state). Each
+virtual rank owns a byte buffer laid out as on a GPU (allreduce_plan.Layout) and a pointer
+table to all P buffers; stages run entry(all ranks) -> reduce(all) -> tail(all), so every
+flag a kernel waits for is already set. Runs wherever the kernels run: the CPU under
+TRITON_INTERPRET=1, or one GPU.
 """
 from __future__ import annotations
 
