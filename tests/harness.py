@@ -1,15 +1,38 @@
 """Shared test helpers. One multi-process test harness (gloo on CPU): echo_tp.launch.run_ranks.
 Start-up (~seconds per spawn) dominates, so tests put many checks into one spawned function and
-cache it per module. `bits_differ`: the bit-for-bit comparison every exactness test uses.
+cache it per module. `bits_differ`: the bit-for-bit comparison every exactness test uses
+(`assert_bits_equal`: the same as an assertion naming the first difference);
+`interpret_kernels`: the Triton kernels on the CPU (TRITON_INTERPRET=1, modules reloaded).
 `two_timescale`: the config the compensator tests run on. `extreme_groups`, `edge_input`: the
 issue-15 inputs (groups at every scale; call sequences with huge groups, sums near the dtype's
 max and NaN/Inf), shared by the interpreted and the GPU kernel tests."""
+import importlib
+import os
+import sys
+
+import pytest
 import torch
 
 from echo_tp.config import PAPER_STATE, EchoConfig
 from echo_tp.launch import run_ranks
 
-__all__ = ["run_ranks", "bits_differ", "two_timescale", "extreme_groups", "edge_input"]
+__all__ = ["run_ranks", "bits_differ", "assert_bits_equal", "interpret_kernels", "two_timescale",
+           "extreme_groups", "edge_input"]
+
+KERNEL_MODULES = ("echo_tp.kernels.flags", "echo_tp.kernels.quant_kernels",
+                  "echo_tp.kernels.allreduce_kernels", "echo_tp.kernels.launcher",
+                  "echo_tp.kernels.norm_kernels", "echo_tp.kernels.allreduce_plan",
+                  "echo_tp.kernels.simulated_fused")
+"""The kernel modules in import order (each only imports those before it)."""
+
+
+def interpret_kernels() -> None:
+    """Run the Triton kernels on the CPU: TRITON_INTERPRET=1 (read when triton.jit decorates),
+    and every kernel module imported earlier without it rebuilt. Call before importing them."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    for name in KERNEL_MODULES:
+        if name in sys.modules:
+            importlib.reload(sys.modules[name])
 
 
 def two_timescale(**kw) -> EchoConfig:
@@ -27,6 +50,18 @@ def bits_differ(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     gn, wn = got.isnan(), want.isnan()
     ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[got.element_size()]
     return (gn != wn) | (~gn & ~wn & (got.view(ints) != want.view(ints)))
+
+
+def assert_bits_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Equal dtypes, shapes and bit patterns, except that any NaN matches any NaN (their
+    payloads depend on the device and the input NaN)."""
+    assert got.dtype == want.dtype and got.shape == want.shape, (what, got.dtype, want.dtype,
+                                                                 got.shape, want.shape)
+    bad = bits_differ(got, want)
+    if bad.any():
+        idx = bad.nonzero()[0].tolist()
+        pytest.fail(f"{what}: {int(bad.sum())} of {bad.numel()} differ, first at {idx}: "
+                    f"got {got[tuple(idx)].item()!r}, want {want[tuple(idx)].item()!r}")
 
 
 def extreme_groups(rows: int, groups: int, g: int, dtype, seed: int):

@@ -1,7 +1,8 @@
 """Benchmark scaffolding that can be checked without GPUs: e2e.py's compute-only stand-in must
 accept every keyword the TP sites pass to a communicator (a missing one crashed a device run),
 the all-reduce and e2e benchmarks' table/plot helpers work on rows of the recorded shape, and
-the one-GPU stage profile runs (under TRITON_INTERPRET on the CPU)."""
+the one-GPU stage profile and the block-boundary benchmark run (under TRITON_INTERPRET on the
+CPU)."""
 import inspect
 import json
 import os
@@ -84,6 +85,18 @@ def test_stage_profile_runs_on_the_cpu():
     assert row["step"] == 256 and row["sum_ms"] > 0
     assert row["sum_ms"] == pytest.approx(row["entry_ms"] + row["reduce_ms"] + row["tail_ms"],
                                           abs=1e-3)
+
+
+def test_add_norm_boundary_runs_on_the_cpu():
+    """benchmarks/add_norm.py's block-boundary part, tiny, under TRITON_INTERPRET: its
+    exactness check holds (the all-reduce with the residual added where y is decoded, then the
+    norm alone, == the all-reduce then add + RMSNorm, outputs and state) and every method is
+    timed."""
+    an = pytest.importorskip("add_norm")
+    row = an.boundary_row(2, 2, 384, "c4", iters=1, dev="cpu")
+    assert row["fused_equals_kernel"] and row["torch_residual_out_equal"], row
+    assert row["torch_normed_max_diff"] < 0.05, row
+    assert all(row[f"{m}_eager_ms"] > 0 for m in an.METHODS), row
 
 
 def test_gpu_telemetry_matches_samples_to_phases(tmp_path):

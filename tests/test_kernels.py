@@ -16,7 +16,8 @@ Compared, bit for bit, on fresh random inputs (several seeds):
   * the same kernels with P ranks in P concurrent processes sharing their buffers (as symmetric
     memory does), calls back to back with one rank pushing late and another reducing late: the
     flag protocol must make every wait see its peer's data (a wait that accepts a stale epoch
-    fails this test).
+    fails this test); two cases with a residual (the kernels write residual + y).
+The block-boundary kernels (residual add in the all-reduce, RMSNorm): tests/test_add_norm.py.
 One tolerance, about bits that carry no value: NaN bit patterns (torch's NaN payload depends on
 the device and on the input NaN), so NaN-ness must match position by position. Zero-points are
 canonical (+0.0, both sides add 0.0 before the fp16 cast). Everything else matches bit for bit.
@@ -30,32 +31,23 @@ the rank-order sum in reduce_kernel and the residual formulas in qar._local_resi
 """
 from __future__ import annotations
 
-import importlib
-import os
-import sys
 import time
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton.jit decorates anything
 
 import pytest
 import torch
+from harness import (assert_bits_equal, edge_input, extreme_groups, interpret_kernels,
+                     two_timescale)
 
+interpret_kernels()                   # before triton.jit decorates anything
 pytest.importorskip("triton")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from echo_tp import quant  # noqa: E402
-from harness import bits_differ, edge_input, extreme_groups, two_timescale  # noqa: E402
 from echo_tp.collective.qar import compensated_all_reduce  # noqa: E402
 from echo_tp.collective.simulated import SimTransport  # noqa: E402
 from echo_tp.compensator import CompState  # noqa: E402
 from echo_tp.config import QuantSpec  # noqa: E402
-
-for _name in ("echo_tp.kernels.flags", "echo_tp.kernels.quant_kernels",
-              "echo_tp.kernels.allreduce_kernels", "echo_tp.kernels.launcher",
-              "echo_tp.kernels.allreduce_plan", "echo_tp.kernels.simulated_fused"):
-    if _name in sys.modules:          # imported earlier without the interpreter: rebuild
-        importlib.reload(sys.modules[_name])
 from echo_tp.kernels import allreduce_kernels as ak  # noqa: E402
 from echo_tp.kernels import allreduce_plan as ap  # noqa: E402
 from echo_tp.kernels import quant_kernels as qk  # noqa: E402
@@ -100,16 +92,6 @@ def adversarial(rows: int, groups: int, g: int, dtype, seed: int, nonfinite: boo
             elif k == 10:
                 v[int(pos[r, j])] = float("inf") if j % 2 else -float("inf")
     return x.reshape(rows, groups * g).to(dtype)
-
-
-def assert_bits_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    """Equal bit patterns, except that any NaN matches any NaN (module docstring)."""
-    assert got.dtype == want.dtype and got.shape == want.shape, (what, got.shape, want.shape)
-    bad = bits_differ(got, want)
-    if bad.any():
-        idx = bad.nonzero()[0].tolist()
-        pytest.fail(f"{what}: {int(bad.sum())} of {bad.numel()} differ, first at {idx}: "
-                    f"got {got[tuple(idx)].item()!r}, want {want[tuple(idx)].item()!r}")
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -383,11 +365,11 @@ def test_ticket_order_covers_every_item_once_tails_after_their_reduce(P, rank, t
 
 
 def _concurrent_rank(rank, P, bufs, errs, xs, ys, m1s, m2s, cfg, programs, tile, step,
-                     lag=None):
+                     lag=None, rs=None):
     """One simulated rank in its own process: consecutive calls, no barrier between them.
     programs=0: the three stage kernels (host-bumped epoch), or with lag: entry, then reduce
     and tail overlapped in one launch; else the fused kernel with that many programs
-    (per-program epochs)."""
+    (per-program epochs). rs [calls, P, n]: residuals, the kernels write rs + y."""
     torch.set_num_threads(1)
     lay = ap.Layout.build(xs.shape[-1], P, cfg.quant_spec(), tile_elems=tile)
     table = torch.tensor([b.data_ptr() for b in bufs] + [errs[rank].data_ptr()])
@@ -399,7 +381,8 @@ def _concurrent_rank(rank, P, bufs, errs, xs, ys, m1s, m2s, cfg, programs, tile,
             epoch.add_(1)
         plan = ap.CallPlan(rank=rank, lay=lay, cfg=cfg, x=xs[call, rank], state=state, fs=None,
                            epoch=epoch, table=table, timeout=300_000, use_timer=False,
-                           num_warps=4, step_elems=step)
+                           num_warps=4, step_elems=step,
+                           residual=None if rs is None else rs[call, rank])
         time.sleep(0.6 if rank == call % P else 0.0)          # one rank pushes late,
         if programs:
             plan.fused(ys[call, rank], programs)
@@ -413,23 +396,27 @@ def _concurrent_rank(rank, P, bufs, errs, xs, ys, m1s, m2s, cfg, programs, tile,
         plan.tail(ys[call, rank])
 
 
-@pytest.mark.parametrize("P,residual,programs,tile,step,lag",
-                         [(2, "local", 0, 256, 256, None),
-                          (3, "output", 0, 256, 256, None),
-                          (2, "output", 2, 256, 256, None),
-                          (3, "local", 1, 256, 256, None),
-                          (4, "output", 2, 256, 256, None),
-                          (2, "local", 2, 512, 256, None),
-                          (2, "local", 0, 256, 256, 1),
-                          (3, "output", 0, 256, 256, 0),
-                          (4, "local", 0, 256, 256, 50)])
-def test_fused_ranks_in_concurrent_processes(P, residual, programs, tile, step, lag):
+@pytest.mark.parametrize("P,residual,programs,tile,step,lag,add",
+                         [(2, "local", 0, 256, 256, None, False),
+                          (3, "output", 0, 256, 256, None, False),
+                          (2, "output", 2, 256, 256, None, False),
+                          (3, "local", 1, 256, 256, None, False),
+                          (4, "output", 2, 256, 256, None, False),
+                          (2, "local", 2, 512, 256, None, False),
+                          (2, "local", 0, 256, 256, 1, False),
+                          (3, "output", 0, 256, 256, 0, False),
+                          (4, "local", 0, 256, 256, 50, False),
+                          (2, "output", 2, 256, 256, None, True),
+                          (2, "local", 0, 256, 256, 1, True)])
+def test_fused_ranks_in_concurrent_processes(P, residual, programs, tile, step, lag, add):
     """The flag protocol with real concurrency: P processes share their buffers (as symmetric
     memory would), each runs 3 calls back to back; every wait must see its peer's data and no
     rank may overwrite a slot a slower peer still reads. programs > 0: the single fused kernel,
     each program looping over several tiles (4-5 tiles here). lag: the reduce and tail
     overlapped in one launch (overlap 'launch'; tails `lag` tiles behind; 50 > tiles: every
-    reduce first)."""
+    reduce first). add: a residual per call and rank, the kernels write residual + y (the
+    block boundary's add; the forms SimulatedFused cannot run in one process: the fused
+    kernel, and reduce_tail with the reduce's own y), the state as without it."""
     import torch.multiprocessing as mp
     cfg = two_timescale(bits=4, residual=residual)
     calls, n = 3, 1000 if not programs and lag is None else 2300
@@ -443,14 +430,20 @@ def test_fused_ranks_in_concurrent_processes(P, residual, programs, tile, step, 
                       for c in range(calls)]).share_memory_()
     ys = torch.empty_like(xs).share_memory_()
     m1s, m2s = torch.zeros(P, n).share_memory_(), torch.zeros(P, n).share_memory_()
+    rs = None
+    if add:
+        gen = torch.Generator().manual_seed(60 + P)
+        rs = (torch.randn(calls, P, n, generator=gen) * 3).to(torch.bfloat16).share_memory_()
     mp.start_processes(_concurrent_rank, args=(P, bufs, errs, xs, ys, m1s, m2s, cfg, programs,
-                                               tile, step, lag),
+                                               tile, step, lag, rs),
                        nprocs=P, start_method="spawn")
     for r in range(P):
         assert describe_error(errs[r]) is None, describe_error(errs[r])
     ref = CompState.zeros((P, n), "cpu")
     for call in range(calls):
         want, _ = compensated_all_reduce(xs[call], cfg, SimTransport(P), state=ref)
+        if add:
+            want = rs[call] + want                         # torch's add: one bf16 rounding
         assert_bits_equal(ys[call], want, f"y call={call}")
     assert_bits_equal(m1s, ref.m1, "m1")
     assert_bits_equal(m2s, ref.m2, "m2")
@@ -482,39 +475,3 @@ def test_reference_qar_with_kernel_codec_is_bit_identical(residual, bits):
         assert_bits_equal(y_k, y_t, f"y call {call}")
         assert_bits_equal(states["kernels"].m1, states["torch"].m1, f"m1 call {call}")
         assert_bits_equal(states["kernels"].m2, states["torch"].m2, f"m2 call {call}")
-
-
-@pytest.mark.parametrize("H,dtype,wdtype", [(64, torch.bfloat16, torch.float32),
-                                            (300, torch.float16, torch.float16),
-                                            (1000, torch.bfloat16, torch.bfloat16),
-                                            (2304, torch.float32, torch.float32)])
-def test_add_rmsnorm_kernel_matches_reference(H, dtype, wdtype):
-    """Residual add + RMSNorm in one pass (kernels/norm_kernels.py) against norm.py's reference
-    bit for bit: normed and residual_out, rows of any width (partial last chunk), values from
-    tiny to near the dtype's max (the add may overflow to inf, as torch's add does), a zero
-    row; and the reference against the models' RMSNorm (a different summation order: within
-    one rounding of the output dtype)."""
-    from echo_tp import norm
-    from echo_tp.kernels import norm_kernels as nk
-    from echo_tp.models.transformer import RMSNorm
-    gen = torch.Generator().manual_seed(H)
-    rows = 7
-    y = (torch.randn(rows, H, generator=gen) * torch.logspace(-3, 3, rows)[:, None]).to(dtype)
-    res = (torch.randn(rows, H, generator=gen) * 4).to(dtype)
-    res[3] = 0.0
-    y[3] = 0.0                                                     # a zero row: inv = 1/sqrt(eps)
-    big = torch.finfo(dtype).max
-    y[5, :3] = big
-    res[5, :3] = big                                               # overflows to inf, like torch
-    w = (1 + 0.1 * torch.randn(H, generator=gen)).to(wdtype)
-    got_n, got_r = nk.add_rmsnorm(y, res, w, 1e-6)
-    want_n, want_r = norm.add_rmsnorm_reference(y, res, w, 1e-6)
-    assert_bits_equal(got_r, want_r, "residual_out")
-    assert_bits_equal(got_n, want_n, "normed")
-    assert got_n.dtype == torch.promote_types(wdtype, dtype)
-    ok = [r for r in range(rows) if r != 5]
-    m = RMSNorm(H, 1e-6)
-    m.weight.data = w.float()
-    plain = m(res + y)
-    tol = dict(rtol=max(2 * torch.finfo(dtype).eps, 1e-5), atol=1e-30)   # fp32: order, rsqrt
-    torch.testing.assert_close(want_n.float()[ok], plain.float()[ok], **tol)

@@ -12,7 +12,10 @@ the compiled forms to torch's reference on fresh random inputs:
   * SimulatedFused (every stage kernel, P ranks on one GPU) against compensated_all_reduce with
     the torch quantizer (the `torch_quantizer` fixture), y and the compensator state bit for bit;
   * issue-15 call sequences (huge groups, sums near the dtype's max, NaN/Inf then clean calls)
-    through SimulatedFused against the torch reference.
+    through SimulatedFused against the torch reference;
+  * the block boundary (norm_kernels: add + RMSNorm, norm-only; SimulatedFused with the
+    residual added where y is decoded, then the norm-only kernel) against norm.py's reference
+    after the reference all-reduce: outputs and state bit for bit.
 """
 from __future__ import annotations
 
@@ -230,8 +233,9 @@ def test_simulated_fused_edge_calls_match_torch_reference_on_gpu(case, torch_qua
                                             (1000, "float32", "float32")])
 @pytest.mark.parametrize("rows", [1, 8, 2048])
 def test_add_rmsnorm_kernel_matches_reference_on_gpu(H, dtype, wdtype, rows):
-    """The compiled residual add + RMSNorm against norm.py's reference on CUDA, bit for bit
-    (decode and prefill row counts; torch's CUDA sqrt and divisions are IEEE)."""
+    """The compiled residual add + RMSNorm (and the norm-only form on residual_out) against
+    norm.py's reference on CUDA, bit for bit (decode and prefill row counts; torch's CUDA sqrt
+    and divisions are IEEE)."""
     from echo_tp import norm
     from echo_tp.kernels import norm_kernels as nk
     gen = torch.Generator(device="cuda").manual_seed(H + rows)
@@ -273,3 +277,62 @@ def test_simulated_communicator_on_gpu_runs_the_fused_kernels_bit_for_bit(P, cfg
                 s2 = ref.passes[direction].streams[n]
                 assert int(bits_differ(s1.m1, s2.m1).sum()) == 0
                 assert int(bits_differ(s1.m2, s2.m2).sum()) == 0
+
+
+    only = nk.rmsnorm(want_r, w, 1e-6)                         # the norm-only form
+    assert not bits_differ(only, want_n).any(), (int(bits_differ(only, want_n).sum()), "rmsnorm")
+
+
+# (P, bits, quantizer, residual mode or None: uncompensated, dtype, state dtype, compact)
+ADD_NORM = [
+    (4, 4, "zero_aware", "local", "bfloat16", "bfloat16", True),      # the default config
+    (4, 4, "zero_aware", "output", "bfloat16", "float32", False),
+    (2, 8, "symmetric", "local", "float16", "float32", False),
+    (2, 4, "naive", None, "float32", "float32", False),
+    (4, 8, "zero_aware", None, "float16", "float32", False),
+]
+
+
+@pytest.mark.parametrize("case", ADD_NORM, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("rows,H", [(75, 4000), (8, 4096)])
+def test_residual_in_the_all_reduce_then_rmsnorm_on_gpu(case, rows, H, torch_quantizer):
+    """The block boundary with the add where y is decoded (issue 18 item 2), compiled:
+    SimulatedFused(residual=r) (tile 1024: rows cross tiles and segments) then the norm-only
+    kernel, against the reference all-reduce (torch quantizer) then add_rmsnorm_reference on
+    CUDA: residual_out, normed and the state bit for bit over 3 calls (compensated) or 1."""
+    from echo_tp import norm
+    from echo_tp.collective.qar import compensated_all_reduce
+    from echo_tp.collective.simulated import SimTransport
+    from echo_tp.compensator import CompState
+    from echo_tp.kernels import norm_kernels as nk
+    from echo_tp.kernels.simulated_fused import SimulatedFused
+    P, bits, qz, mode, dtype, sdt, compact = case
+    betas = dict(beta1=0.5, beta2=0.5) if compact else {}
+    cfg = two_timescale(bits=bits, quantizer=qz, residual=mode, state_dtype=sdt, **betas) \
+        if mode else two_timescale(bits=bits, quantizer=qz, eta=0.0)
+    n, dt = rows * H, getattr(torch, dtype)
+    st = CompState.zeros((P, n), "cuda", getattr(torch, sdt), compact=compact) if mode else None
+    st_r = CompState.zeros((P, n), "cuda", getattr(torch, sdt), compact=compact) if mode else None
+    sim = SimulatedFused(P, tile_elems=1024, timeout_polls=10**7)
+    gen = torch.Generator(device="cuda").manual_seed(hash(case) % 1000 + rows)
+    w = (1 + 0.1 * torch.randn(H, device="cuda", generator=gen)).to(
+        torch.float32 if dt == torch.bfloat16 else dt)
+    for call in range(3 if mode else 1):
+        x = torch.randn(P, n, device="cuda", generator=gen)
+        x *= torch.exp(torch.randn(P, n // 128 + 1, device="cuda", generator=gen) * 2) \
+            .repeat_interleave(128, dim=1)[:, :n]
+        x[:, 7::501] *= 30.0
+        x = x.to(dt)
+        res = (torch.randn(P, n, device="cuda", generator=gen) * 4).to(dt)
+        y_r, _ = compensated_all_reduce(x, cfg, SimTransport(P), state=st_r)
+        want_n, want_r = norm.add_rmsnorm_reference(y_r.view(P, rows, H), res.view(P, rows, H),
+                                                    w, 1e-6)
+        rout = sim(x, cfg, state=st, residual=res).view(P, rows, H)
+        normed = nk.rmsnorm(rout, w, 1e-6)
+        assert not bits_differ(rout, want_r).any(), (call, "residual_out",
+                                                     int(bits_differ(rout, want_r).sum()))
+        assert not bits_differ(normed, want_n).any(), (call, "normed",
+                                                       int(bits_differ(normed, want_n).sum()))
+        if mode:
+            assert not bits_differ(st.m1, st_r.m1).any(), (call, "m1")
+            assert not bits_differ(st.m2, st_r.m2).any(), (call, "m2")

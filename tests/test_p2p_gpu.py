@@ -8,8 +8,11 @@ and compares bit for bit: y, m1, m2 (NaN matches NaN; no other tolerance). Cases
 fp16, bits 4/8, the three policies, both residual modes, no compensation, odd sizes and
 backward power-of-two scaling; one case replays a captured CUDA graph. A second test runs two
 process groups side by side on the same GPUs (interleaved calls) and a soak of 10^5 small calls
-(ECHO_SOAK_CALLS): bit-stable outputs, one epoch per call, no memory growth. Skipped without 2
-GPUs; the availability check itself also runs on the CPU.
+(ECHO_SOAK_CALLS): bit-stable outputs, one epoch per call, no memory growth. Each form also
+runs the block boundary (the residual added where y is decoded, then the norm-only kernel; and
+comm.all_reduce_add_rmsnorm on backend='p2p') against the reference all-reduce then
+norm.add_rmsnorm_reference. Skipped without 2 GPUs; the availability check itself also runs on
+the CPU.
 
 When it fails, look first at: the case and tensor named in the message; a mismatch only in
 cases of one policy -> quant_kernels._group_params against quant.group_params (divisions must
@@ -137,6 +140,8 @@ def exactness_worker(rank: int, world: int, cases=CASES, calls: int = 3, group=N
     if graph:
         out.append(_graph_case(p2p, ref, rank, world))
         print(f"[exact P{world} rank{rank}] {out[-1]}", flush=True)
+    out.append(_add_norm_case(p2p, ref, group, rank, world, form, overlap))
+    print(f"[exact P{world} rank{rank}] {out[-1]}", flush=True)
     out.append(_oneshot_case(group, rank, world))
     print(f"[exact P{world} rank{rank}] {out[-1]}", flush=True)
     out.append({"case": "info", "symm_backend": str(p2p.symm_backend), "use_timer": p2p.use_timer,
@@ -144,6 +149,75 @@ def exactness_worker(rank: int, world: int, cases=CASES, calls: int = 3, group=N
     p2p.check_error()
     p2p.close()
     return out
+
+
+# (bits, residual mode or None: uncompensated, dtype, rows, hidden): the block boundary
+ADD_NORM_CASES = [(4, "local", "bfloat16", 1021, 4096), (4, "output", "bfloat16", 64, 4096),
+                  (8, None, "float16", 8, 5120), (4, None, "bfloat16", 2049, 4096)]
+
+
+def _add_norm_case(p2p, ref, group, rank: int, world: int, form, overlap) -> dict:
+    """The block boundary with the residual added where y is decoded (issue 18 item 2):
+    P2PBackend.run(residual=r) then the norm-only kernel against the reference's y, then
+    add_rmsnorm_reference (residual_out, normed, state: 3 calls); then
+    comm.all_reduce_add_rmsnorm on a backend='p2p' communicator against a reference
+    communicator's all_reduce then add_rmsnorm_reference (outputs and state, 2 calls). The
+    default config (one bf16 state tensor) for the local mode, the two-timescale fp32 pair for
+    the output mode."""
+    from echo_tp import norm
+    from echo_tp.communicator import EchoCommunicator
+    from echo_tp.compensator import CompState
+    from echo_tp.config import EchoConfig
+    row = {"case": f"add+rmsnorm {form}/{overlap}", "y": 0, "m1": 0, "m2": 0, "normed": 0}
+    for ci, (bits, mode, dtype, rows, h) in enumerate(ADD_NORM_CASES):
+        cfg = (EchoConfig(bits=bits) if mode == "local" else
+               two_timescale(bits=bits, residual=mode) if mode else
+               two_timescale(bits=bits, eta=0.0))
+        n, dt = rows * h, getattr(torch, dtype)
+        sdt = getattr(torch, cfg.state_dtype)
+        compact = cfg.beta1 == cfg.beta2
+        st_p = CompState.zeros(n, "cuda", sdt, compact=compact) if mode else None
+        st_r = CompState.zeros(n, "cuda", sdt, compact=compact) if mode else None
+        gen = torch.Generator(device="cuda").manual_seed(4000 + ci)      # same on every rank
+        w = (1 + 0.1 * torch.randn(h, device="cuda", generator=gen)).to(torch.float32)
+        for call in range(3):
+            x = _input(n, dtype, rank, seed=3000 + 10 * ci + call, backward=False)
+            res = (torch.randn(rows, h, device="cuda", generator=gen) * 4).to(dt)
+            y_r, _ = ref.run(x, cfg, state=st_r, backward=False, record=False)
+            want_n, want_r = norm.add_rmsnorm_reference(y_r.view(rows, h), res, w, 1e-6)
+            rout, _ = p2p.run(x, cfg, route=p2p_route(x, cfg, world, form, overlap), state=st_p,
+                              backward=False, record=False, residual=res.view(-1))
+            normed = norm.rmsnorm(rout.view(rows, h), w, 1e-6)
+            row["y"] += _mismatch(rout.view(rows, h), want_r)
+            row["normed"] += _mismatch(normed, want_n)
+            if mode:
+                row["m1"] += _mismatch(st_p.m1, st_r.m1)
+                row["m2"] += _mismatch(st_p.m2, st_r.m2)
+    cfg = EchoConfig(bits=4)
+    comms = [EchoCommunicator.from_group(group, cfg, backend=b) for b in ("p2p", "reference")]
+    rows, h = 513, 4096
+    gen = torch.Generator(device="cuda").manual_seed(4100)
+    w = (1 + 0.1 * torch.randn(h, device="cuda", generator=gen)).to(torch.bfloat16)
+    for c in comms:
+        c.new_pass()
+    for call in range(2):
+        partial = _input(rows * h, "bfloat16", rank, seed=3100 + call, backward=False) \
+            .view(rows, h)
+        res = (torch.randn(rows, h, device="cuda", generator=gen) * 4).to(torch.bfloat16)
+        normed, rout = comms[0].all_reduce_add_rmsnorm(partial, res, w, 1e-6)
+        y = comms[1].all_reduce(partial)
+        want_n, want_r = norm.add_rmsnorm_reference(y, res, w, 1e-6)
+        row["y"] += _mismatch(rout, want_r)
+        row["normed"] += _mismatch(normed, want_n)
+        st_p, st_r = comms[0].state(numel=rows * h), comms[1].state(numel=rows * h)
+        row["m1"] += _mismatch(st_p.m1, st_r.m1)
+    row["comm_backend"] = comms[0].dispatcher.last_backend
+    row["comm_adds"] = comms[0].dispatcher.adds_residual(partial.view(-1), cfg)
+    if row["comm_backend"] != "p2p" or not row["comm_adds"]:
+        row["y"] += 1                                      # the fused route was not taken
+    for c in comms:
+        c.close()
+    return row
 
 
 def _oneshot_case(group, rank: int, world: int) -> dict:
@@ -235,7 +309,7 @@ def test_p2p_bit_identical_to_nccl_reference(world, form):
     results = run_ranks(world, _ranks_fn, CASES, form, timeout=600)
     for rank, rows in enumerate(results):
         assert "error" not in rows[0], f"rank {rank}: p2p unavailable: {rows[0]}"
-        bad = [r for r in rows if r["y"] or r["m1"] or r["m2"]]
+        bad = [r for r in rows if r["y"] or r["m1"] or r["m2"] or r.get("normed")]
         assert not bad, f"rank {rank}: mismatching elements {bad}"
 
 

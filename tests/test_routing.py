@@ -7,7 +7,8 @@ against the measured tables (collective/tuning.py), not restated from them.
     'auto' the fused kernel thus runs only for captured uncompensated calls between the
     one-shot cap and the fused cap), compensated ones route as eagerly;
   * fallbacks carry their reason (no fast path, CPU tensors, unfit tensors or configs) and the
-    dispatcher logs each decision once;
+    dispatcher logs each decision once; a block boundary's residual goes only to a backend
+    that adds it (p2p);
   * kernel plans: fused up to the fused cap, staged above; reduce/tail overlap only where
     measured (never compensated); tiles powers of two within the table's bounds;
   * every table entry names a record that exists in docs/results; the two user overrides.
@@ -215,6 +216,39 @@ def test_dispatcher_routes_caches_and_logs_once(caplog):
     only = Dispatcher({"reference": backends["reference"]}, 2)   # no routing at all
     only.run(x, DEFAULT, state=None, backward=False, record=False)
     assert backends["reference"].calls[-1] is None and only.last_route is None
+
+
+class _Adder(_Recorder):
+    """A backend that adds the residual where it decodes y (as P2PBackend does)."""
+
+    adds_residual = True
+
+    def run(self, x, cfg, *, state, backward, record, inplace=False, route=None, residual=None):
+        self.calls.append((route, residual))
+        return x if residual is None else residual + x, None
+
+
+def test_dispatcher_gives_a_residual_only_to_backends_that_add_it():
+    """adds_residual follows the route: a GPU call routed to p2p (a backend that adds it) says
+    True and gets the residual; a CPU call (the reference) says False, and passing it one
+    anyway is refused before anything runs; a dispatcher without routing asks its one
+    backend."""
+    backends = {"reference": _Recorder("reference"), "p2p": _Adder("p2p")}
+    d = Dispatcher(backends, 2, mode="p2p", available={"p2p": None},
+                   device=torch.device("cpu"))
+    x, r = torch.ones(1024, dtype=torch.bfloat16), torch.full((1024,), 2.0, dtype=torch.bfloat16)
+    assert not d.adds_residual(x, DEFAULT)                 # CPU tensor: the reference
+    with pytest.raises(ValueError, match="does not add a residual"):
+        d.run(x, DEFAULT, state=None, backward=False, record=False, residual=r)
+    assert backends["reference"].calls == []
+    p2p = routing.p2p_route(call(2048), tuning.DEFAULT, "as on a GPU")
+    d.route = lambda x, cfg: p2p                           # the route a CUDA x gets
+    assert d.adds_residual(x, DEFAULT)
+    out, _ = d.run(x, DEFAULT, state=None, backward=False, record=False, residual=r)
+    route, got = backends["p2p"].calls[-1]
+    assert got is r and route.backend == "p2p" and torch.equal(out, r + x)
+    assert Dispatcher({"reference": _Adder("reference")}, 2).adds_residual(x, DEFAULT)
+    assert not Dispatcher({"reference": _Recorder("reference")}, 2).adds_residual(x, DEFAULT)
 
 
 @pytest.fixture

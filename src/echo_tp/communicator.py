@@ -134,6 +134,10 @@ class EchoCommunicator:
         `bits` overrides the config's width for this site (per-site policies). `inplace=True`
         lets a plain (16-bit) all-reduce reuse x's storage (saves a copy; the caller must not
         need x afterwards); quantized calls always return a new tensor."""
+        return self._entered(lambda: self._all_reduce(x, direction, bits, inplace)[0])
+
+    def _entered(self, call):
+        """call() as the one thread inside this communicator (see the module docstring)."""
         if not self._entry.acquire(blocking=False):
             self._broken = ("all_reduce was entered from two threads at once on one "
                             "communicator; the calls' results are undefined (their packets may "
@@ -143,9 +147,9 @@ class EchoCommunicator:
             raise RuntimeError(self._broken)
         try:
             self._refuse_if_broken()
-            y = self._all_reduce(x, direction, bits, inplace)
+            out = call()
             self._refuse_if_broken()
-            return y
+            return out
         finally:
             self._entry.release()
 
@@ -155,19 +159,32 @@ class EchoCommunicator:
         """A block boundary in one call: residual_out = residual + all_reduce(partial) and
         normed = RMSNorm(residual_out) * weight (echo_tp.norm: the models' RMSNorm, the sum of
         squares in a fixed order) -> (normed, residual_out). partial, residual [..., H] of one
-        dtype (simulated: [P, ..., H], residual [..., H] or [P, ..., H]); weight [H]. On CUDA
-        the add and the norm run as one kernel pass after the all-reduce."""
-        from .norm import add_rmsnorm
-        y = self.all_reduce(partial, direction=direction, bits=bits)
-        if residual.shape != y.shape:
-            residual = residual.expand(y.shape)
-        return add_rmsnorm(y, residual.contiguous(), weight, eps)
+        dtype (simulated: [P, ..., H], residual [..., H] or [P, ..., H]); weight [H].
+
+        Where the call's backend adds the residual where y is decoded (p2p: the reduce's own
+        segment and the tail write residual + y instead of y), the all-reduce returns
+        residual_out and one norm-only pass follows (norm.rmsnorm); elsewhere the all-reduce
+        returns y and the add and the norm run as one pass after it (norm.add_rmsnorm; one
+        kernel on CUDA). Both give add_rmsnorm_reference(all_reduce(partial), residual, ...)
+        bit for bit, with the same compensator state."""
+        from .norm import add_rmsnorm, check_add_rmsnorm, rmsnorm
+        self._check_input(partial)
+        if residual.shape != partial.shape:
+            residual = residual.expand(partial.shape)
+        check_add_rmsnorm(partial, residual, weight)
+        out, added = self._entered(
+            lambda: self._all_reduce(partial, direction, bits, False, residual=residual))
+        if added:
+            return rmsnorm(out, weight, eps), out
+        return add_rmsnorm(out, residual.contiguous(), weight, eps)
 
     def _refuse_if_broken(self) -> None:
         if self._broken is not None:
             raise RuntimeError(self._broken)
 
-    def _all_reduce(self, x, direction, bits, inplace):
+    def _all_reduce(self, x, direction, bits, inplace, residual=None):
+        """-> (y, added): added=True when residual was given and the backend returned
+        residual + y instead of y."""
         _check_direction(direction)
         self._check_input(x)
         cfg = self.config_for(bits)
@@ -178,9 +195,9 @@ class EchoCommunicator:
             self._check_call(flat, cfg, direction)
         ps.sites += 1
         if flat.shape[-1] == 0:
-            return x.clone()
+            return x.clone(), False
         if self.world_size == 1:       # the sum over a group of one is the input, exactly
-            return x if inplace else x.clone()
+            return (x if inplace else x.clone()), False
         state = None
         if cfg.compensated:
             sdtype = getattr(torch, cfg.state_dtype)
@@ -189,12 +206,15 @@ class EchoCommunicator:
             _bound_streams(ps, flat.shape[-1])
         record = self.telemetry is not None and cfg.quantized
         inplace = inplace and x.is_contiguous() and (flat is x or flat.data_ptr() == x.data_ptr())
+        added = residual is not None and not record and self.dispatcher.adds_residual(flat, cfg)
         y, rec = self.dispatcher.run(flat, cfg, state=state, backward=direction == "backward",
-                                     record=record, inplace=inplace)
+                                     record=record, inplace=inplace,
+                                     residual=residual.reshape(flat.shape).contiguous()
+                                     if added else None)
         if self.telemetry is not None:
             self.telemetry.record(direction=direction, site=site, bits=cfg.bits, x=flat, y=y,
                                   rec=rec, simulated=self.simulated)
-        return y if flat is x else y.reshape(x.shape)
+        return (y if flat is x else y.reshape(x.shape)), added
 
     def _check_call(self, flat: torch.Tensor, cfg: EchoConfig, direction: str) -> None:
         """Every rank makes this call with the same signature: checked once per signature (every

@@ -10,6 +10,15 @@ LANES + l]^2 for chunks c = 0, 1, ... in order, then the lanes halved pairwise (
 n/2]) down to one. Divisions and the square root are IEEE, correctly rounded (0-dim tensors;
 the square root through fp64, as torch's fp32 CPU sqrt can be 1 ulp off; div_rn / sqrt_rn in
 the kernel). `add_rmsnorm` runs the kernel on CUDA tensors it fits and this reference elsewhere.
+
+`rmsnorm(r, weight, eps)` is the second half alone (normed of an r whose add is already done:
+the p2p all-reduce adds the residual where it decodes y), so
+
+    add_rmsnorm_reference(y, residual, w, eps) == (rmsnorm_reference(residual + y, w, eps),
+                                                   residual + y)
+
+by construction (the same function computes both), and the norm-only kernel equals
+rmsnorm_reference bit for bit (tests/test_kernels.py).
 """
 from __future__ import annotations
 
@@ -36,32 +45,56 @@ def sum_of_squares(v: torch.Tensor) -> torch.Tensor:
     return acc
 
 
+def rmsnorm_reference(r: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """r [..., H], weight [H] -> normed, of the dtype of weight * r (torch's promotion)."""
+    v = r.float()
+    h = v.new_tensor(float(v.shape[-1]))
+    ms = sum_of_squares(v) / h + v.new_tensor(eps)
+    inv = v.new_tensor(1.0) / torch.sqrt(ms.double()).float()   # correctly rounded sqrt
+    return weight * (v * inv).to(r.dtype)
+
+
 def add_rmsnorm_reference(y: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """y, residual [..., H] (one dtype), weight [H] -> (normed, residual_out); normed has the
     dtype of weight * residual_out (torch's promotion), residual_out y's dtype."""
     r = residual + y
-    v = r.float()
-    h = v.new_tensor(float(v.shape[-1]))
-    ms = sum_of_squares(v) / h + v.new_tensor(eps)
-    inv = v.new_tensor(1.0) / torch.sqrt(ms.double()).float()   # correctly rounded sqrt
-    return weight * (v * inv).to(r.dtype), r
+    return rmsnorm_reference(r, weight, eps), r
 
 
 def add_rmsnorm(y: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(normed, residual_out) of `add_rmsnorm_reference`, in one kernel pass on CUDA."""
-    _check(y, residual, weight)
+    check_add_rmsnorm(y, residual, weight)
+    nk = _kernels(y)
+    if nk is not None:
+        return nk.add_rmsnorm(y, residual, weight, eps)
+    return add_rmsnorm_reference(y, residual, weight, eps)
+
+
+def rmsnorm(r: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """normed of `rmsnorm_reference`, in one kernel pass on CUDA."""
+    check_add_rmsnorm(r, r, weight)
+    nk = _kernels(r)
+    if nk is not None:
+        return nk.rmsnorm(r, weight, eps)
+    return rmsnorm_reference(r, weight, eps)
+
+
+def _kernels(y: torch.Tensor):
+    """kernels.norm_kernels where its kernel takes y (CUDA, rows up to MAX_HIDDEN), else None."""
     if y.is_cuda and y.shape[-1] <= MAX_HIDDEN and y.numel() > 0:
         try:
             from .kernels import norm_kernels
         except ImportError:   # no triton: the reference
-            return add_rmsnorm_reference(y, residual, weight, eps)
-        return norm_kernels.add_rmsnorm(y, residual, weight, eps)
-    return add_rmsnorm_reference(y, residual, weight, eps)
+            return None
+        return norm_kernels
+    return None
 
 
-def _check(y, residual, weight) -> None:
+def check_add_rmsnorm(y, residual, weight) -> None:
+    """ValueError unless y, residual [..., H] share shape and dtype (fp32/fp16/bf16) and
+    weight is [H]."""
     if residual.shape != y.shape or residual.dtype != y.dtype:
         raise ValueError(f"residual must match the reduced tensor: {tuple(residual.shape)} "
                          f"{residual.dtype} vs {tuple(y.shape)} {y.dtype}")

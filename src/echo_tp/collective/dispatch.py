@@ -5,6 +5,10 @@ this module builds the backends a group can have and runs the call on the one pi
     'auto' elsewhere (CPU/gloo, multi-node), or 'reference':  the reference for every call
     'p2p':  p2p for every call its kernels can take (an error at build if it cannot run)
 
+A block boundary's residual add (comm.all_reduce_add_rmsnorm) goes into the call where the
+route's backend adds it where y is decoded (`adds_residual`: p2p); `adds_residual(x, cfg)` says
+so before the call, and the caller adds it itself elsewhere.
+
 Backends that cannot run (no GPU, no peer access, multi-node) are not built; the reason is
 logged once and every route that falls back because of it says so. Each distinct routing
 decision is logged once at INFO with its reason (the table entry and record behind it).
@@ -108,16 +112,30 @@ class Dispatcher:
                          r.backend, r.reason)
         return r
 
-    def run(self, x, cfg, *, state, backward, record, inplace=False):
+    def _backend(self, x, cfg):
+        """(backend, route) of a call (route None without routing)."""
         if self._only is not None:
-            self.last_backend = self._only.name
-            return self._only.run(x, cfg, state=state, backward=backward, record=record,
-                                  inplace=inplace)
+            return self._only, None
         r = self.route(x, cfg)
-        b = self.backends[r.backend]
+        return self.backends[r.backend], r
+
+    def adds_residual(self, x, cfg) -> bool:
+        """Whether the call's backend takes `run(residual=...)` (adds it where y is decoded)."""
+        return bool(getattr(self._backend(x, cfg)[0], "adds_residual", False))
+
+    def run(self, x, cfg, *, state, backward, record, inplace=False, residual=None):
+        """-> (y, StepRecord or None). residual (x's shape and dtype; only where
+        `adds_residual(x, cfg)`): the backend returns residual + y instead of y."""
+        b, r = self._backend(x, cfg)
         self.last_backend, self.last_route = b.name, r
+        kw = {} if r is None else {"route": r}
+        if residual is not None:
+            if not getattr(b, "adds_residual", False):
+                raise ValueError(f"backend {b.name!r} does not add a residual (ask "
+                                 "adds_residual(x, cfg) first)")
+            kw["residual"] = residual
         return b.run(x, cfg, state=state, backward=backward, record=record, inplace=inplace,
-                     route=r)
+                     **kw)
 
     def close(self) -> None:
         for b in self.backends.values():

@@ -9,6 +9,10 @@ The dispatcher asks collective/routing.py whether a call comes here and with whi
             push to all, y of the own segment) and tail (decode the other owners' packets),
             one after the other (overlap 'off') or in one launch (overlap 'launch').
 
+With `residual=` (a block boundary: comm.all_reduce_add_rmsnorm) the kernels that write y (the
+reduce's own segment, the tail) write residual + y instead, torch's `residual + y` bit for bit,
+so the boundary's add costs no pass of its own (the state updates still read y).
+
 Everything runs on the current stream without a host synchronization, so calls are CUDA-graph
 safe (warm each call signature up eagerly before capture). Backward calls with grad_scaling add
 one kernel for the local max |x'| and the reference's `grad_scale` (one scalar MAX all-reduce
@@ -55,6 +59,8 @@ class P2PBackend:
     """Runs the calls routed to 'p2p' (`run`); `close` drops the buffers."""
 
     name = "p2p"
+    adds_residual = True
+    """run(residual=r) returns r + y, the add done by the kernels that write y."""
 
     def __init__(self, group: dist.ProcessGroup | None = None,
                  shape: tuning.KernelShape = tuning.DEFAULT.shape):
@@ -82,12 +88,17 @@ class P2PBackend:
 
     def run(self, x: torch.Tensor, cfg: EchoConfig, *, route: Route,
             state: CompState | None, backward: bool, record: bool,
-            inplace: bool = False) -> tuple[torch.Tensor, StepRecord | None]:
+            inplace: bool = False, residual: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, StepRecord | None]:
+        """-> (y, None), or (residual + y, None) with residual ([n], x's dtype, contiguous);
+        record=True: the reference's (y, StepRecord)."""
         if record:   # telemetry needs the unfused intermediates: same numbers, reference path
             self._flags.raise_if_set(self._err, self._err_np)
-            return compensated_all_reduce(x, cfg, self.transport, state=state,
-                                          backward=backward, record=True)
-        plan, ws, y = self.prepare(x, cfg, route, state=state, backward=backward)
+            y, rec = compensated_all_reduce(x, cfg, self.transport, state=state,
+                                            backward=backward, record=True)
+            return (y if residual is None else residual + y), rec
+        plan, ws, y = self.prepare(x, cfg, route, state=state, backward=backward,
+                                   residual=residual)
         if route.form == "fused":
             self._launch(plan, lambda: plan.fused(y, ws.programs))
             return y, None
@@ -100,11 +111,12 @@ class P2PBackend:
         return y, None
 
     def prepare(self, x: torch.Tensor, cfg: EchoConfig, route: Route, *,
-                state: CompState | None, backward: bool):
+                state: CompState | None, backward: bool, residual: torch.Tensor | None = None):
         """A call's launch plan, workspace and output, epochs bumped (benchmarks time the
-        stages of the plan one by one) -> (CallPlan, workspace, y)."""
+        stages of the plan one by one) -> (CallPlan, workspace, y; residual + y with
+        residual)."""
         self._flags.raise_if_set(self._err, self._err_np)
-        why = self._plan.supported(x, cfg, state)
+        why = self._plan.supported(x, cfg, state, residual)
         if why is not None:
             raise ValueError(f"p2p backend cannot run this call: {why}")
         fused = route.form == "fused"
@@ -117,7 +129,8 @@ class P2PBackend:
         plan = self._plan.CallPlan(rank=self.rank, lay=ws.lay, cfg=cfg, x=x, state=state, fs=fs,
                                    epoch=ws.epochs if fused else ws.epoch, table=ws.table,
                                    timeout=self._timeout_units(), use_timer=self.use_timer,
-                                   num_warps=route.num_warps, step_elems=route.step)
+                                   num_warps=route.num_warps, step_elems=route.step,
+                                   residual=residual)
         return plan, ws, torch.empty_like(x)
 
     def close(self) -> None:

@@ -14,6 +14,10 @@ y and the compensator state are bit-identical). Per rank r, with P ranks, segmen
          s - y_own.
   tail   (grid tiles x P, or P-1 owners with OWN_Y)    wait gath[j][t]; decode;
          y = cast(y32 [/ 2^e]) (saturating); residual 'output': u = x' - y/P and the m1, m2 update.
+  ADD (reduce's own y, tail; a constexpr: off, the kernels are as without it): the store is
+         cast(residual + y) instead of y, torch's `residual + y` bit for bit (the block
+         boundary's residual add, done where y is decoded: norm.add_rmsnorm_reference's
+         `r = residual + y`); every compensator update still reads y itself.
   reduce_tail (overlap 'launch'): reduce and tail in one launch, the tails trailing the reduces
          by `lag` tiles (work items in ticket order).
   fused  (grid G programs): entry, reduce and tail of tiles c, c+G, ... in one launch.
@@ -31,8 +35,9 @@ import triton
 import triton.language as tl
 
 from .flags import gated, signal, wait_geq
-from .quant_kernels import (F32_MAX, HW_FORMS, _cast_sat, _codes, _dequant, _group_params,
-                            _load_codes, _load_f32, _sat, _sat_out, _store_codes, _word_scale)
+from .quant_kernels import (F32_MAX, HW_FORMS, _cast_out, _cast_sat, _codes, _dequant,
+                            _group_params, _load_codes, _load_f32, _sat, _sat_out, _store_codes,
+                            _word_scale)
 
 
 # ----------------------------------------------------------------------------- device helpers
@@ -125,6 +130,18 @@ def _as_f32_of_out(v, X_KIND: tl.constexpr):
     else:
         out = v
     return out
+
+
+@triton.jit
+def _store_y(y_ptr, res_ptr, e, emask, y32, X_KIND: tl.constexpr, ADD: tl.constexpr):
+    """y = cast_sat(y32) [SG, GS] at element ids e; ADD: residual + y there instead, i.e.
+    torch's `residual + y` of the two output-dtype tensors: their fp32 values added, rounded
+    once to the dtype (RNE, inf on overflow: no saturation, as torch)."""
+    if ADD:
+        s = _load_f32(res_ptr + e, emask, X_KIND) + _as_f32_of_out(y32, X_KIND)
+        tl.store(y_ptr + e, _cast_out(s, X_KIND), mask=emask)
+    else:
+        tl.store(y_ptr + e, _cast_sat(y32, X_KIND), mask=emask)
 
 
 @triton.jit
@@ -223,18 +240,18 @@ def _entry_tile(t, j, ep, x_ptr, m1_ptr, m2_ptr, fs_ptr, table_ptr,
 
 
 @triton.jit
-def _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, table_ptr,
+def _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_ptr,
                  n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
                  eta, a, oma, b1, omb1, b2, omb2,
                  RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr, BG: tl.constexpr,
                  SG: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
                  LEVELS: tl.constexpr, QMAX: tl.constexpr, COMP: tl.constexpr,
                  SCALED: tl.constexpr, LOCAL: tl.constexpr, USE_TIMER: tl.constexpr,
-                 OWN_Y: tl.constexpr):
+                 OWN_Y: tl.constexpr, ADD: tl.constexpr):
     """Owner sum of tile t of the own segment, requantized and pushed to every rank's gather
     slot RANK; signal gath[RANK][t] everywhere. Waits once, then steps of SG groups.
     OWN_Y: also y of these elements, decoded from the registers exactly as the tail would
-    decode the own gather slot (the tail then skips the own segment)."""
+    decode the own gather slot (the tail then skips the own segment); ADD: residual + y."""
     own = _buffer(table_ptr, RANK)
     flags = (own + flags_off).to(tl.pointer_type(tl.int64))   # recv [P][tiles], gath [P][tiles]
     abort = flags + 2 * P * tiles
@@ -272,7 +289,7 @@ def _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, table_ptr,
                 inv = tl.math.div_rn(tl.full([], 1.0, tl.float32), f)
                 y32 = y32 * inv
             if OWN_Y:
-                tl.store(y_ptr + e, _cast_sat(y32, X_KIND), mask=gated(emask, ok))
+                _store_y(y_ptr, res_ptr, e, gated(emask, ok), y32, X_KIND, ADD)
             if LOCAL:
                 if SCALED:
                     u = acc * inv - _as_f32_of_out(y32, X_KIND)
@@ -287,15 +304,16 @@ def _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, table_ptr,
 
 
 @triton.jit
-def _tail_tile(t, j, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, table_ptr,
+def _tail_tile(t, j, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_ptr,
                n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
                eta, a, oma, b1, omb1, b2, omb2,
                RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr, BG: tl.constexpr,
                SG: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
                QMAX: tl.constexpr, PF: tl.constexpr, COMP: tl.constexpr,
-               SCALED: tl.constexpr, OUTPUT: tl.constexpr, USE_TIMER: tl.constexpr):
-    """Wait gath[j][t]; decode tile t of owner j's packet into y (+ output-residual update),
-    in steps of SG groups."""
+               SCALED: tl.constexpr, OUTPUT: tl.constexpr, USE_TIMER: tl.constexpr,
+               ADD: tl.constexpr):
+    """Wait gath[j][t]; decode tile t of owner j's packet into y (ADD: residual + y), and the
+    output-residual update (from y), in steps of SG groups."""
     own = _buffer(table_ptr, RANK)
     flags = (own + flags_off).to(tl.pointer_type(tl.int64))
     err_rec = tl.load(table_ptr + P).to(tl.pointer_type(tl.int64))
@@ -308,7 +326,7 @@ def _tail_tile(t, j, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, table_ptr,
                            SG, QUANT, QMAX)
         if SCALED:
             y32 = y32 * tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.load(fs_ptr))
-        tl.store(y_ptr + e, _cast_sat(y32, X_KIND), mask=emask)
+        _store_y(y_ptr, res_ptr, e, emask, y32, X_KIND, ADD)
         if OUTPUT:
             xp, m1, m2 = _x_prime(x_ptr, m1_ptr, m2_ptr, e, emask, eta, a, oma, X_KIND, COMP)
             yf = _as_f32_of_out(y32, X_KIND)
@@ -335,37 +353,39 @@ def entry_kernel(x_ptr, m1_ptr, m2_ptr, fs_ptr, epoch_ptr, table_ptr,
 
 
 @triton.jit
-def reduce_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, epoch_ptr, table_ptr,
+def reduce_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, epoch_ptr, table_ptr,
                   n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
                   eta, a, oma, b1, omb1, b2, omb2,
                   RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr, BG: tl.constexpr,
                   SG: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
                   LEVELS: tl.constexpr, QMAX: tl.constexpr, COMP: tl.constexpr,
                   SCALED: tl.constexpr, LOCAL: tl.constexpr, USE_TIMER: tl.constexpr,
-                  OWN_Y: tl.constexpr):
-    """grid (tiles,): program t reduces tile t of the own segment (OWN_Y: and writes its y)."""
-    _reduce_tile(tl.program_id(0), tl.load(epoch_ptr), x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr,
-                 table_ptr, n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
-                 eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, BITS, QUANT, LEVELS,
-                 QMAX, COMP, SCALED, LOCAL, USE_TIMER, OWN_Y)
+                  OWN_Y: tl.constexpr, ADD: tl.constexpr):
+    """grid (tiles,): program t reduces tile t of the own segment (OWN_Y: and writes its y,
+    ADD: residual + y)."""
+    _reduce_tile(tl.program_id(0), tl.load(epoch_ptr), x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr,
+                 fs_ptr, table_ptr, n, seg, groups, slot, scale_off, zero_off, flags_off, tiles,
+                 timeout, eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, BITS,
+                 QUANT, LEVELS, QMAX, COMP, SCALED, LOCAL, USE_TIMER, OWN_Y, ADD)
 
 
 @triton.jit
-def tail_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, epoch_ptr, table_ptr,
+def tail_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, epoch_ptr, table_ptr,
                 n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
                 eta, a, oma, b1, omb1, b2, omb2,
                 RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr, BG: tl.constexpr,
                 SG: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
                 QMAX: tl.constexpr, PF: tl.constexpr, COMP: tl.constexpr,
                 SCALED: tl.constexpr, OUTPUT: tl.constexpr, USE_TIMER: tl.constexpr,
-                FIRST: tl.constexpr):
+                FIRST: tl.constexpr, ADD: tl.constexpr):
     """grid (tiles, P - FIRST): program (t, i) decodes tile t of owner RANK+FIRST+i (mod P):
-    FIRST=0 every owner, own first; FIRST=1 the others (the reduce wrote the own y)."""
+    FIRST=0 every owner, own first; FIRST=1 the others (the reduce wrote the own y).
+    ADD: stores residual + y."""
     j = (RANK + FIRST + tl.program_id(1)) % P
-    _tail_tile(tl.program_id(0), j, tl.load(epoch_ptr), x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr,
-               table_ptr, n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
-               eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, BITS, QUANT, QMAX, PF,
-               COMP, SCALED, OUTPUT, USE_TIMER)
+    _tail_tile(tl.program_id(0), j, tl.load(epoch_ptr), x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr,
+               fs_ptr, table_ptr, n, seg, groups, slot, scale_off, zero_off, flags_off, tiles,
+               timeout, eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, BITS, QUANT,
+               QMAX, PF, COMP, SCALED, OUTPUT, USE_TIMER, ADD)
 
 
 @triton.jit
@@ -393,7 +413,8 @@ def _ticket_item(k, tiles, lag, RANK: tl.constexpr, P: tl.constexpr, FIRST: tl.c
 
 
 @triton.jit
-def reduce_tail_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, epoch_ptr, table_ptr, ticket_ptr,
+def reduce_tail_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, epoch_ptr, table_ptr,
+                       ticket_ptr,
                        n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
                        lag, eta, a, oma, b1, omb1, b2, omb2,
                        RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr,
@@ -401,7 +422,7 @@ def reduce_tail_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, epoch_ptr, table_pt
                        BITS: tl.constexpr, QUANT: tl.constexpr, LEVELS: tl.constexpr,
                        QMAX: tl.constexpr, PF: tl.constexpr, COMP: tl.constexpr,
                        SCALED: tl.constexpr, LOCAL: tl.constexpr, OUTPUT: tl.constexpr,
-                       USE_TIMER: tl.constexpr, OWN_Y: tl.constexpr):
+                       USE_TIMER: tl.constexpr, OWN_Y: tl.constexpr, ADD: tl.constexpr):
     """Reduce and tail in one launch, overlapped: grid ((NT+1) x tiles,) with NT = P - OWN_Y
     tails per tile, one work item per program, taken in ticket order (`_ticket_item`) from a
     per-rank counter that only grows (ticket = counter++ mod (NT+1) tiles: exactly one per
@@ -409,37 +430,37 @@ def reduce_tail_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, epoch_ptr, table_pt
     calls with different NT on one workspace never shift each other's start.
     Tickets, not program ids, set the order, so a waiting program's producers hold lower
     tickets and are running or done whatever order the GPU starts programs in. Equivalent to
-    reduce_kernel then tail_kernel; the tails of early tiles (HBM-bound) run while later tiles
-    are still reduced and pushed (link-bound)."""
+    reduce_kernel then tail_kernel (ADD: both store residual + y); the tails of early tiles
+    (HBM-bound) run while later tiles are still reduced and pushed (link-bound)."""
     FIRST: tl.constexpr = 1 if OWN_Y else 0
     k = tl.atomic_add(ticket_ptr + FIRST, 1, sem="relaxed", scope="gpu") % \
         ((P - FIRST + 1) * tiles)
     is_reduce, t, j = _ticket_item(k.to(tl.int32), tiles, lag, RANK, P, FIRST)
     ep = tl.load(epoch_ptr)
     if is_reduce:
-        _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, table_ptr,
+        _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_ptr,
                      n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
                      eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, BITS, QUANT,
-                     LEVELS, QMAX, COMP, SCALED, LOCAL, USE_TIMER, OWN_Y)
+                     LEVELS, QMAX, COMP, SCALED, LOCAL, USE_TIMER, OWN_Y, ADD)
     else:
-        _tail_tile(t, j, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, table_ptr,
+        _tail_tile(t, j, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_ptr,
                    n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
                    eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, BITS, QUANT,
-                   QMAX, PF, COMP, SCALED, OUTPUT, USE_TIMER)
+                   QMAX, PF, COMP, SCALED, OUTPUT, USE_TIMER, ADD)
 
 
 @triton.jit
-def fused_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, epochs_ptr, table_ptr,
+def fused_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, epochs_ptr, table_ptr,
                  n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
                  eta, a, oma, b1, omb1, b2, omb2,
                  RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr, BG: tl.constexpr,
                  SG: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
                  LEVELS: tl.constexpr, QMAX: tl.constexpr, PF: tl.constexpr,
                  COMP: tl.constexpr, SCALED: tl.constexpr, LOCAL: tl.constexpr,
-                 OUTPUT: tl.constexpr, USE_TIMER: tl.constexpr):
-    """The whole call in one launch. grid (G,), G = min(tiles, programs) with `programs` the
-    same on every rank (p2p: 4 x the group's smallest SM count), so program c of each rank
-    handles the same tiles t = c, c+G, ....
+                 OUTPUT: tl.constexpr, USE_TIMER: tl.constexpr, ADD: tl.constexpr):
+    """The whole call in one launch (ADD: the tails store residual + y). grid (G,),
+    G = min(tiles, programs) with `programs` the same on every rank (p2p: 4 x the group's
+    smallest SM count), so program c of each rank handles the same tiles t = c, c+G, ....
     Program c: entry of its tiles, then their reduce, then their tail, i.e.
 
         for t in tiles(c): for i < P-1: _entry_tile(t, RANK+1+i)
@@ -467,18 +488,18 @@ def fused_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, epochs_ptr, table_ptr,
         t += G
     t = c
     while t < tiles:
-        _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr, table_ptr,
+        _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_ptr,
                      n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
                      eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, BITS, QUANT,
-                     LEVELS, QMAX, COMP, SCALED, LOCAL, USE_TIMER, False)
+                     LEVELS, QMAX, COMP, SCALED, LOCAL, USE_TIMER, False, False)
         t += G
     t = c
     while t < tiles:
         for i in tl.static_range(P):
-            _tail_tile(t, (RANK + i) % P, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, fs_ptr,
+            _tail_tile(t, (RANK + i) % P, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr,
                        table_ptr, n, seg, groups, slot, scale_off, zero_off, flags_off,
                        tiles, timeout, eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND,
-                       BG, SG, GS, BITS, QUANT, QMAX, PF, COMP, SCALED, OUTPUT, USE_TIMER)
+                       BG, SG, GS, BITS, QUANT, QMAX, PF, COMP, SCALED, OUTPUT, USE_TIMER, ADD)
         t += G
     tl.debug_barrier()
     tl.store(epochs_ptr + c, ep)

@@ -132,6 +132,10 @@ class CallPlan:
     num_warps: int                # warps per program
     step_elems: int               # values per step of a tile (what a program holds at once)
     num_stages: int | None = None  # triton's software-pipelining depth (None: its default)
+    residual: torch.Tensor | None = None
+    """[n] x's dtype, contiguous, or None: the kernels that write y (the reduce's own y, the
+    tail) write residual + y there instead (torch's `residual + y`; the state updates still
+    read y): the block boundary's residual add, fused where y is decoded."""
 
     @functools.cached_property
     def _parts(self):
@@ -148,6 +152,12 @@ class CallPlan:
 
     def _fs(self):
         return self.fs if self.fs is not None else self.epoch
+
+    def _res(self, y: torch.Tensor) -> tuple:
+        """(res_ptr, ADD) of the kernels that write y: the residual, or y (unread) without."""
+        if self.residual is None:
+            return y, False
+        return self.residual, True
 
     def entry(self) -> None:
         if self.lay.world_size == 1:
@@ -167,19 +177,21 @@ class CallPlan:
 
     def reduce(self, y: torch.Tensor) -> None:
         ptrs, scal, consts, meta, per = self._parts
+        res, add = self._res(y)
         launch(reduce_kernel, (self.lay.tiles,),
-               (*ptrs, y, self._fs(), self.epoch, self.table, *scal, self.timeout, *consts),
+               (*ptrs, y, res, self._fs(), self.epoch, self.table, *scal, self.timeout, *consts),
                dict(**meta, **per["reduce"], USE_TIMER=self.use_timer, OWN_Y=self.own_y,
-                    num_warps=self.num_warps, **self._stages()))
+                    ADD=add, num_warps=self.num_warps, **self._stages()))
 
     def tail(self, y: torch.Tensor) -> None:
         """After reduce(y): y of the other owners' segments (and of the own one unless the
         reduce wrote it)."""
         ptrs, scal, consts, meta, per = self._parts
         first = int(self.own_y)
+        res, add = self._res(y)
         launch(tail_kernel, (self.lay.tiles, self.lay.world_size - first),
-               (*ptrs, y, self._fs(), self.epoch, self.table, *scal, self.timeout, *consts),
-               dict(**meta, **per["tail"], USE_TIMER=self.use_timer, FIRST=first,
+               (*ptrs, y, res, self._fs(), self.epoch, self.table, *scal, self.timeout, *consts),
+               dict(**meta, **per["tail"], USE_TIMER=self.use_timer, FIRST=first, ADD=add,
                     num_warps=self.num_warps, **self._stages()))
 
     def reduce_tail(self, y: torch.Tensor, ticket: torch.Tensor, lag: int) -> None:
@@ -190,10 +202,11 @@ class CallPlan:
         ptrs, scal, consts, meta, per = self._parts
         tiles = self.lay.tiles
         own = self.own_y
+        res, add = self._res(y)
         launch(reduce_tail_kernel, ((self.lay.world_size - own + 1) * tiles,),
-               (*ptrs, y, self._fs(), self.epoch, self.table, ticket, *scal, self.timeout,
+               (*ptrs, y, res, self._fs(), self.epoch, self.table, ticket, *scal, self.timeout,
                 max(0, min(lag, tiles)), *consts),
-               dict(**meta, **per["reduce_tail"], USE_TIMER=self.use_timer, OWN_Y=own,
+               dict(**meta, **per["reduce_tail"], USE_TIMER=self.use_timer, OWN_Y=own, ADD=add,
                     num_warps=self.num_warps, **self._stages()))
 
     def fused(self, y: torch.Tensor, programs: int) -> None:
@@ -201,9 +214,10 @@ class CallPlan:
         every rank of a workspace, for its whole life)."""
         ptrs, scal, consts, meta, per = self._parts
         grid = max(1, min(programs, self.lay.tiles))
+        res, add = self._res(y)
         launch(fused_kernel, (grid,),
-               (*ptrs, y, self._fs(), self.epoch, self.table, *scal, self.timeout, *consts),
-               dict(**meta, **per["fused"], USE_TIMER=self.use_timer,
+               (*ptrs, y, res, self._fs(), self.epoch, self.table, *scal, self.timeout, *consts),
+               dict(**meta, **per["fused"], USE_TIMER=self.use_timer, ADD=add,
                     num_warps=self.num_warps, **self._stages()))
 
 
@@ -221,7 +235,8 @@ def local_amax(x: torch.Tensor, state: CompState | None, cfg: EchoConfig,
     return out
 
 
-def supported(x: torch.Tensor, cfg: EchoConfig, state: CompState | None = None) -> str | None:
+def supported(x: torch.Tensor, cfg: EchoConfig, state: CompState | None = None,
+              residual: torch.Tensor | None = None) -> str | None:
     """Why the fused kernels cannot run this call (None when they can)."""
     if not cfg.quantized:
         return "bits=16 is the plain all-reduce"
@@ -232,4 +247,8 @@ def supported(x: torch.Tensor, cfg: EchoConfig, state: CompState | None = None) 
         return "compensator state must be fp32 or bf16, as the config says"
     if x.dim() != 1 or not x.is_contiguous():
         return "input must be a contiguous 1-D tensor"
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+                                 or not residual.is_contiguous()
+                                 or residual.device != x.device):
+        return "residual must be a contiguous tensor of x's shape, dtype and device"
     return None

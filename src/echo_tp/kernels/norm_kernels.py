@@ -1,12 +1,16 @@
 """Residual add + RMSNorm in one pass per row (Triton); the reference is echo_tp/norm.py.
 
-    add_rmsnorm_kernel (grid rows): r = cast(y + residual) -> residual_out; acc[l] += v^2 over
-    chunks of LANES values (v = r in fp32), lanes halved pairwise to one sum; inv = 1 / sqrt(ss /
-    H + eps) (IEEE); normed = cast_w(w * cast(v * inv)), a second pass over the row (L2-hot).
+    rmsnorm_kernel (grid rows), ADD: r = cast(y + residual) -> residual_out; else r = y (the
+    add already done: the p2p all-reduce wrote residual + y); acc[l] += v^2 over chunks of
+    LANES values (v = r in fp32), lanes halved pairwise to one sum; inv = 1 / sqrt(ss / H +
+    eps) (IEEE); normed = cast_w(w * cast(v * inv)), a second pass over the row (L2-hot).
 
 Unfused equivalent: `residual + y`, then the models' RMSNorm (fp32 inside), i.e. 1 read of y
 and residual, 1 write of residual_out, 1 read of it, 1 write of normed, with the sum of squares
 in norm.sum_of_squares' order (bit for bit: tests/test_kernels.py, tests/test_kernels_gpu.py).
+`add_rmsnorm` (ADD) reads y and residual and writes residual_out and normed; `rmsnorm` reads r
+and writes normed (norm.add_rmsnorm_reference / norm.rmsnorm_reference).
+The row loops are while loops: triton 3.6's interpreter runs no other (CI runs it too).
 """
 from __future__ import annotations
 
@@ -36,20 +40,26 @@ def _as_f32(v, KIND: tl.constexpr):
 
 
 @triton.jit
-def add_rmsnorm_kernel(y_ptr, res_ptr, w_ptr, out_ptr, rout_ptr, H, chunks, eps,
-                       X_KIND: tl.constexpr, W_KIND: tl.constexpr, O_KIND: tl.constexpr,
-                       L: tl.constexpr):
+def rmsnorm_kernel(y_ptr, res_ptr, w_ptr, out_ptr, rout_ptr, H, chunks, eps,
+                   X_KIND: tl.constexpr, W_KIND: tl.constexpr, O_KIND: tl.constexpr,
+                   L: tl.constexpr, ADD: tl.constexpr):
+    """grid (rows,): one row [H] of y (and residual, ADD) -> normed (and residual_out, ADD).
+    Without ADD, res_ptr is unread and rout_ptr is y_ptr (r = y)."""
     row = tl.program_id(0).to(tl.int64) * H
     lanes = tl.arange(0, L)
     acc = tl.zeros([L], tl.float32)
     c = 0
-    while c < chunks:                                       # pass 1: add, store, sum of squares
+    while c < chunks:                                       # pass 1: [add, store], sum of squares
         offs = c * L + lanes
         m = offs < H
-        s = _load_f32(y_ptr + row + offs, m, X_KIND) + _load_f32(res_ptr + row + offs, m, X_KIND)
-        r = _cast_out(s, X_KIND)
-        tl.store(rout_ptr + row + offs, r, mask=m)
-        v = _as_f32(r, X_KIND)
+        if ADD:
+            s = _load_f32(y_ptr + row + offs, m, X_KIND) \
+                + _load_f32(res_ptr + row + offs, m, X_KIND)
+            r = _cast_out(s, X_KIND)
+            tl.store(rout_ptr + row + offs, r, mask=m)
+            v = _as_f32(r, X_KIND)
+        else:
+            v = _load_f32(y_ptr + row + offs, m, X_KIND)
         acc = acc + tl.where(m, v * v, 0.0)
         c += 1
     acc = _halve(acc, L)
@@ -76,17 +86,29 @@ def add_rmsnorm_kernel(y_ptr, res_ptr, w_ptr, out_ptr, rout_ptr, H, chunks, eps,
 
 def add_rmsnorm(y: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """y, residual [..., H] contiguous, weight [H] -> (normed, residual_out)."""
+    """y, residual [..., H], weight [H] -> (normed, residual_out)."""
+    y, residual = y.contiguous(), residual.contiguous()
+    rout = torch.empty_like(y)
+    return _launch(y, residual, rout, weight, eps, True), rout
+
+
+def rmsnorm(r: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """r [..., H] (residual_out, the add done), weight [H] -> normed."""
+    r = r.contiguous()
+    return _launch(r, r, r, weight, eps, False)
+
+
+def _launch(y, residual, rout, weight, eps: float, add: bool) -> torch.Tensor:
+    """One rmsnorm_kernel launch over the rows of y [..., H] -> normed."""
     if LANES != 256:
-        raise AssertionError("add_rmsnorm_kernel halves exactly 8 times (LANES = 256)")
+        raise AssertionError("rmsnorm_kernel halves exactly 8 times (LANES = 256)")
     h = y.shape[-1]
-    y, residual, weight = y.contiguous(), residual.contiguous(), weight.contiguous()
+    weight = weight.contiguous()
     out_dtype = torch.promote_types(weight.dtype, y.dtype)
     normed = torch.empty(y.shape, dtype=out_dtype, device=y.device)
-    rout = torch.empty_like(y)
     rows = y.numel() // h
     chunks = -(-h // LANES)
-    launch(add_rmsnorm_kernel, (rows,), (y, residual, weight, normed, rout, h, chunks, float(eps)),
+    launch(rmsnorm_kernel, (rows,), (y, residual, weight, normed, rout, h, chunks, float(eps)),
            dict(X_KIND=DTYPE_KIND[y.dtype], W_KIND=DTYPE_KIND[weight.dtype],
-                O_KIND=DTYPE_KIND[out_dtype], L=LANES, num_warps=4))
-    return normed, rout
+                O_KIND=DTYPE_KIND[out_dtype], L=LANES, ADD=add, num_warps=4))
+    return normed

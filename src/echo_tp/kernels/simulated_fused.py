@@ -1,10 +1,12 @@
 """P simulated ranks in one process running the fused all-reduce kernels (the pure-tensor form).
 
 `SimulatedFused` mirrors collective/qar.compensated_all_reduce over SimTransport: x [P, N] ->
-y [P, N], the state (m1, m2 [P, N]) updated in place, bit for bit. Each virtual rank owns a byte
-buffer laid out as on a GPU (allreduce_plan.Layout) and a pointer table to all P buffers;
-stages run entry(all ranks) -> reduce(all) -> tail(all), so every flag a kernel waits for is
-already set. Runs wherever the kernels run: the CPU under TRITON_INTERPRET=1, or one GPU.
+y [P, N], the state (m1, m2 [P, N]) updated in place, bit for bit; with residual= [P, N] it
+returns residual + y instead (the add done by the kernels that write y; same state). Each
+virtual rank owns a byte buffer laid out as on a GPU (allreduce_plan.Layout) and a pointer
+table to all P buffers; stages run entry(all ranks) -> reduce(all) -> tail(all), so every
+flag a kernel waits for is already set. Runs wherever the kernels run: the CPU under
+TRITON_INTERPRET=1, or one GPU.
 """
 from __future__ import annotations
 
@@ -54,8 +56,11 @@ class SimulatedFused:
         return ws
 
     def __call__(self, x: torch.Tensor, cfg: EchoConfig, *, state: CompState | None,
-                 backward: bool = False, stages: tuple = ("entry", "reduce", "tail")):
-        """The call's stages in order, each on every rank -> y [P, N]."""
+                 backward: bool = False, stages: tuple = ("entry", "reduce", "tail"),
+                 residual: torch.Tensor | None = None):
+        """The call's stages in order, each on every rank -> y [P, N]; with residual [P, N]
+        (x's dtype): residual + y, bit for bit `residual + <the call without it>`, the state
+        updated exactly as without it."""
         from ..collective.qar import grad_scale
         from ..collective.simulated import SimTransport
         P, n = x.shape
@@ -67,7 +72,7 @@ class SimulatedFused:
             parts = torch.stack([local_amax(x[r], _rank_state(state, r), cfg) for r in range(P)])
             fs = grad_scale(parts, SimTransport(P))              # [P, 1]
         y = torch.empty_like(x)
-        plans = self.plans(x, cfg, state, fs)
+        plans = self.plans(x, cfg, state, fs, residual)
         for stage in stages:
             for r in range(P):
                 if stage == "entry":
@@ -81,8 +86,13 @@ class SimulatedFused:
         return y
 
     def plans(self, x: torch.Tensor, cfg: EchoConfig, state: CompState | None,
-              fs: torch.Tensor | None = None) -> list[CallPlan]:
-        """One new call: every rank's epoch bumped, its CallPlan (x [P, N]; fs [P, 1] or None)."""
+              fs: torch.Tensor | None = None,
+              residual: torch.Tensor | None = None) -> list[CallPlan]:
+        """One new call: every rank's epoch bumped, its CallPlan (x [P, N]; fs [P, 1] or None;
+        residual [P, N] or None)."""
+        if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+            raise ValueError(f"residual must be x's shape and dtype: {tuple(residual.shape)} "
+                             f"{residual.dtype} vs {tuple(x.shape)} {x.dtype}")
         ws = self.workspace(x.shape[-1], cfg.quant_spec(), x.device)
         plans = []
         for r in range(self.world_size):
@@ -94,7 +104,9 @@ class SimulatedFused:
                                   timeout=self.timeout, use_timer=False,
                                   num_warps=self.num_warps,
                                   step_elems=min(self.step_elems, self.tile_elems),
-                                  num_stages=self.num_stages))
+                                  num_stages=self.num_stages,
+                                  residual=None if residual is None
+                                  else residual[r].contiguous()))
         return plans
 
 
