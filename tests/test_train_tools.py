@@ -289,3 +289,18 @@ def test_eval_bos_windows(data, tmp_path):
                      "--bos", "--simulate", "2", "--no-progress", "--out", str(out)]) == 0
     record = json.loads(out.read_text())
     assert record["bos_id"] == SEP and record["results"][0]["tokens"] == 4 * 32
+
+
+def test_simulated_tp_training_under_autocast(data, tmp_path):
+    """bf16 autocast (--amp, as on GPUs) with the TP model's fused block boundaries: a bf16 block
+    output meets the fp32 residual stream. 16-bit at simulated TP=2 follows the plain model's
+    autocast losses; Echo 4-bit trains (it once raised 'residual must match')."""
+    plain = train(data, tmp_path / "plain", "--steps", "4", "--amp", "--device", "cpu")
+    tp16 = train(data, tmp_path / "tp16", "--steps", "4", "--amp", "--device", "cpu",
+                 "--simulate", "2", "--comm", "16")
+    echo = train(data, tmp_path / "echo", "--steps", "4", "--amp", "--device", "cpu",
+                 "--simulate", "2", "--comm", "echo4")
+    for a, b in zip(plain, tp16):
+        assert float(b["loss"]) == pytest.approx(float(a["loss"]), rel=2e-2)
+    assert all(math.isfinite(float(r["loss"])) for r in echo)
+    assert float(echo[-1]["loss"]) < float(echo[0]["loss"])

@@ -158,8 +158,10 @@ class EchoCommunicator:
                                bits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """A block boundary in one call: residual_out = residual + all_reduce(partial) and
         normed = RMSNorm(residual_out) * weight (echo_tp.norm: the models' RMSNorm, the sum of
-        squares in a fixed order) -> (normed, residual_out). partial, residual [..., H] of one
-        dtype (simulated: [P, ..., H], residual [..., H] or [P, ..., H]); weight [H].
+        squares in a fixed order) -> (normed, residual_out). partial, residual [..., H]
+        (simulated: [P, ..., H], residual [..., H] or [P, ..., H]); weight [H]. Of two dtypes
+        (autocast: a bf16 partial, an fp32 residual) both are taken in the promoted one, as
+        `residual + y` would, and residual_out has it.
 
         Where the call's backend adds the residual where y is decoded (p2p: the reduce's own
         segment and the tail write residual + y instead of y), the all-reduce returns
@@ -171,6 +173,12 @@ class EchoCommunicator:
         self._check_input(partial)
         if residual.shape != partial.shape:
             residual = residual.expand(partial.shape)
+        if isinstance(residual, torch.Tensor) and residual.dtype != partial.dtype:
+            # autocast: a bf16 block output onto an fp32 residual stream. As the plain model's
+            # `residual + y` does, both in the promoted dtype (y widened exactly), then the norm
+            dtype = torch.promote_types(partial.dtype, residual.dtype)
+            y = self.all_reduce(partial, direction=direction, bits=bits)
+            return add_rmsnorm(y.to(dtype), residual.to(dtype).contiguous(), weight, eps)
         check_add_rmsnorm(partial, residual, weight)
         out, added = self._entered(
             lambda: self._all_reduce(partial, direction, bits, False, residual=residual))
