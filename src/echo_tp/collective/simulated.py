@@ -52,3 +52,17 @@ class SimTransport:
         del acc
         out[1:].copy_(out[0].expand_as(out[1:]))
         return out
+
+    def sum_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        # x [P(sender), P*m] -> [P(owner), m]: chunk j of every sender summed in fp32 in rank
+        # order (as all_sum), cast back to x's dtype
+        P = self.world_size
+        chunks = x.reshape(P, P, -1)                   # [sender, owner, m]
+        acc = chunks[0].to(torch.float32, copy=True)
+        for r in range(1, P):
+            acc.add_(chunks[r])
+        return acc.to(x.dtype)
+
+    def gather_cat(self, x: torch.Tensor) -> torch.Tensor:
+        # x [P(owner), m] -> every virtual rank receives all owners' chunks: [P, P*m]
+        return x.reshape(1, -1).expand(self.world_size, -1).clone()
