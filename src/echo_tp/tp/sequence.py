@@ -123,10 +123,32 @@ def enable(model: nn.Module, tp: TPContext, pass_root: nn.Module,
     on_shards = [final_norm] + [c for layer in layers for c in layer.children()
                                 if id(c) not in block_ids]
     for module in on_shards:
-        if tp.simulated and list(module.parameters()):
+        if not list(module.parameters()):
+            continue
+        if tp.simulated:
             _run_shardwise(module, Site(tp, 0), names.get(id(module), type(module).__name__))
+        else:
+            module.register_forward_pre_hook(_one_input_node)
     prefixes = [names[id(m)] + "." for m in (*layers, final_norm)]
     _record_sequence_partial(tp, model, prefixes)
+
+
+class InputNode(torch.autograd.Function):
+    """Identity. A real rank's shard-local module takes its input through it, so the module's
+    gradient contributions to its input (a norm uses it twice) are summed here first and then
+    added to the residual's, in the grouping the simulated shard split (SimSplit) gives."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad
+
+
+def _one_input_node(module, args):
+    return (InputNode.apply(args[0]), *args[1:]) if args else None
 
 
 def _run_shardwise(module: nn.Module, site: Site, name: str) -> None:
