@@ -17,9 +17,9 @@ What is compared with what:
   gloo ranks (P = 2, 4) and simulated: at 16 bits logits and every gradient against the
   single-device model (same tolerances; the norms' and row-parallel biases' gradients are
   partial over the sequence shards until sync_partial_grads); at 4 and 8 bits (and 16 at
-  P = 2) simulated == gloo, logits and every gradient, bit for bit. Simulated only: the reduce-scatter /
-  all-gather calls per pass (none of the all-reduce), bits per site, and the clear errors
-  (a sequence length P does not divide, one-token decoding).
+  P = 2) simulated == gloo, logits and every gradient, bit for bit. Simulated only: the
+  reduce-scatter / all-gather calls per pass (none of the all-reduce), bits per site, and the
+  clear errors (a sequence length P does not divide, one-token decoding).
 Where to look first: a 16-bit mismatch -> tp/plan.py (head/kv index maths) or tp/parallelize.py
 (_shard); a simulated != gloo mismatch -> SimTPBlock / SimCopy / SimReduce (the shard loop must
 run the very ops of a real rank) or grads.sync_partial_grads (sum order); under sequence

@@ -15,6 +15,7 @@ Sequence parallelism: `reduce_scatter(x, dim=0)` (each rank gets its chunk of th
 `all_gather(shard, dim=0)` (every rank gets all shards, bit-identical everywhere), the two
 halves of the quantized all-reduce (collective/sharded.py), with their own compensator states
 per direction and kind (reset by new_pass with the all-reduce's) and the same checks below.
+They leave no telemetry rows (telemetry covers the all-reduce).
 
 Defined answers (issue 15):
 * Ranks must make the same calls: each new call signature (kind, numel, dtype, bits,

@@ -17,6 +17,11 @@ for bit at bits 4 and 8 (at 16 bits the simulated sum is fp32 in rank order; glo
 another order). Shard i's parameters are named `<block>.shards.<i>.<name>`; tp.rank_parameters
 maps them back to the real names.
 
+sequence_parallel=True (tp/sequence.py): between blocks the residual stream is sharded over
+the sequence; each block input is all-gathered and each row-parallel output reduce-scattered
+through the communicator (the boundaries are then a local add + RMSNorm, not fused with a
+collective).
+
 Models built elsewhere (transformers' own modules, echo_tp.hf) go through the same function with
 their plan, a `HeadLayout`, their layer count and the module whose forward is one pass
 (`pass_root`). Block inputs may come positionally or as `hidden_states=`; a block may return a

@@ -24,8 +24,9 @@ rank's shard of a replicated tensor, no communication; backward: the shards' gra
 all-gathered, since the replicated tensor before it needs the whole gradient) and
 `GatherFromSequence` before a replicated head (forward: all-gather; backward: keep this rank's
 shard of the replicated gradient). Every one of them goes through the communicator at the
-site's bits. Simulated, a sequence-sharded tensor is held as the P shards side by side: one
-[B, T, ...] tensor whose chunk i along SEQ_DIM is virtual rank i's shard.
+site's bits; the reduce-scatters compensated, the all-gathers not (tp/sequence.py says why).
+Simulated, a sequence-sharded tensor is held as the P shards side by side: one [B, T, ...]
+tensor whose chunk i along SEQ_DIM is virtual rank i's shard.
 
 Simulated (P virtual ranks in one process): `SimCopy` hands each virtual shard its own view of
 the block input and all-reduces the P input gradients as [P, ...]; `SimReduce` sums the P partial
