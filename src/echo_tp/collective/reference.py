@@ -1,6 +1,7 @@
 """torch.distributed transport for the quantized all-reduce: one all-to-all of packets and one
 all-gather of owner packets (the reduce-scatter and all-gather halves: one each). Works on any
-backend with those collectives (gloo on CPU, NCCL on GPUs, also across nodes). This is the reference backend every faster one is compared with.
+backend with those collectives (gloo on CPU, NCCL on GPUs, also across nodes). This is the
+reference backend every faster one is compared with.
 
 A collective that fails while waiting on a peer (the group's timeout ran out, a peer died)
 raises PeerWaitError naming this rank and the stage of the call it was in; groups echo-tp
