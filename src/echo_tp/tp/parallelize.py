@@ -195,7 +195,8 @@ def parallelize(model: Transformer, comm, rank: int | None = None, *, policy=Non
             raise ValueError(f"row-parallel modules outside any BlockInput entry of the plan: "
                              f"{orphans}; their partial outputs would never be summed")
     if tp.sequence_parallel:
-        sequence.enable(model, tp, pass_root, [model.get_submodule(n) for n, _, _ in blocks])
+        sequence.enable(model, tp, pass_root, [model.get_submodule(n) for n, _, _ in blocks],
+                        list(rank_parameters(model, 0 if simulated else None, tp)))
     elif isinstance(model, Transformer) and plan is TP_PLAN and P > 1:
         _fuse_boundaries(model, simulated)
     _record_replicas(tp, model)

@@ -44,6 +44,7 @@ from torch import nn
 
 from echo_tp.models.transformer import Transformer
 
+from .blocks import block_input
 from .sites import AddNorm, GatherFromSequence, ScatterToSequence, Site, TPContext
 
 
@@ -102,16 +103,16 @@ def sim_shardwise(site: Site, fn, x: torch.Tensor, params: list[torch.Tensor]) -
 
 def add_bias(site: Site, y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """y (sequence shards) + a replicated bias: per virtual rank when simulated."""
-    if site._sim:
+    if site.virtual:
         return sim_shardwise(site, torch.add, y, [bias])
     return y + bias
 
 
-def enable(model: nn.Module, tp: TPContext, pass_root: nn.Module,
-           blocks: list[nn.Module]) -> None:
+def enable(model: nn.Module, tp: TPContext, pass_root: nn.Module, blocks: list[nn.Module],
+           param_names: list[str]) -> None:
     """Put the scatter, the gather and the shard-local boundaries into a parallelized model
-    (its TP blocks: `blocks`) and record the parameters whose gradients become partial (module
-    docstring)."""
+    (its TP blocks: `blocks`; its parameters' real names: `param_names`) and record the
+    parameters whose gradients become partial (module docstring)."""
     names = {id(m): n for n, m in model.named_modules()}
     last = Site(tp, max(0, 2 * tp.n_layers - 1))
     if isinstance(model, Transformer):
@@ -139,8 +140,11 @@ def enable(model: nn.Module, tp: TPContext, pass_root: nn.Module,
             _run_shardwise(module, Site(tp, 0), names.get(id(module), type(module).__name__))
         else:
             module.register_forward_pre_hook(_one_input_node)
-    prefixes = [names[id(m)] + "." for m in (*layers, final_norm)]
-    _record_sequence_partial(tp, model, prefixes)
+    prefixes = tuple(names[id(m)] + "." for m in (*layers, final_norm))
+    for name in param_names:    # replicated, under the layers or the final norm, not yet partial
+        if name.startswith(prefixes) and name not in tp.shards and name not in tp.partial:
+            tp.sequence_partial.add(name)          # the norms between blocks, row-parallel biases
+            tp.replicas[name] = [tuple(range(tp.world_size))]
 
 
 class InputNode(torch.autograd.Function):
@@ -164,7 +168,7 @@ def _one_input_node(module, args):
 def _run_shardwise(module: nn.Module, site: Site, name: str) -> None:
     """Simulated: module(x) runs on each virtual rank's shard of x, with per-rank parameter
     views (its own parameters only: the norms between the blocks)."""
-    if any(True for _ in module.children() if list(_.parameters())):
+    if any("." in n for n, _ in module.named_parameters()):
         raise ValueError(f"sequence_parallel: {name} ({type(module).__name__}) runs on the "
                          "sequence shards outside the attention/MLP blocks and holds nested "
                          "parameters; only norm-like modules (own parameters) can")
@@ -186,16 +190,6 @@ def _run_shardwise(module: nn.Module, site: Site, name: str) -> None:
     module.forward = shardwise
 
 
-def _record_sequence_partial(tp: TPContext, model: nn.Module, prefixes: list[str]) -> None:
-    """Replicated parameters under the layers and the final norm that the plan neither splits
-    nor already marks partial: the norms between the blocks and row-parallel biases."""
-    from .parallelize import rank_parameters
-    for name in rank_parameters(model, 0 if tp.simulated else None, tp):
-        if name.startswith(tuple(prefixes)) and name not in tp.shards and name not in tp.partial:
-            tp.sequence_partial.add(name)
-            tp.replicas[name] = [tuple(range(tp.world_size))]
-
-
 def _scatter_output(site: Site):
     def hook(module, args, out):
         return ScatterToSequence.apply(out, site)
@@ -204,7 +198,6 @@ def _scatter_output(site: Site):
 
 def _scatter_input(site: Site):
     def hook(module, args, kwargs):
-        from .blocks import block_input
         x, put = block_input(args, kwargs)
         return put(ScatterToSequence.apply(x, site))
     return hook

@@ -108,7 +108,8 @@ class Site:
 
     # ----- sequence parallelism: the halves, along `dim` (simulated: the shards side by side)
     @property
-    def _sim(self) -> bool:
+    def virtual(self) -> bool:
+        """The communicator is simulated: tensors hold every virtual rank."""
         return bool(getattr(self.tp.comm, "simulated", False))
 
     def reduce_scatter(self, partial: torch.Tensor, direction: str) -> torch.Tensor:
@@ -116,18 +117,18 @@ class Site:
         the P partials [P, B, T, ...] -> the P shards side by side [B, T, ...]."""
         y = self.tp.comm.reduce_scatter(partial, dim=self.dim, direction=direction,
                                         bits=self.tp.bits(self.index))
-        return torch.cat(y.unbind(0), dim=self.dim) if self._sim else y
+        return torch.cat(y.unbind(0), dim=self.dim) if self.virtual else y
 
     def all_gather(self, x: torch.Tensor, direction: str) -> torch.Tensor:
         """Real: this rank's shard [B, T/P, ...] -> [B, T, ...]. Simulated: the shards side by
         side [B, T, ...] -> what every rank gathers [B, T, ...] (the same on every rank)."""
-        if self._sim:
+        if self.virtual:
             x = torch.stack(self.split(x))
         # uncompensated: the gathered input feeds a block, it is not summed into the stream,
         # so a fed-back error would be added to the next block's input instead of cancelled
         y = self.tp.comm.all_gather(x, dim=self.dim, direction=direction,
                                     bits=self.tp.bits(self.index), compensate=False)
-        return y[0].clone() if self._sim else y
+        return y[0].clone() if self.virtual else y
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [B, T, ...] -> the P shards [B, T/P, ...] along dim (ValueError unless T splits)."""
@@ -144,7 +145,7 @@ class Site:
         """Real: this rank's shard of a replicated [B, T, ...]; simulated: x itself (the
         shards side by side are the whole tensor)."""
         parts = self.split(x)
-        return x.view_as(x) if self._sim else parts[self.tp.rank].contiguous()
+        return x.view_as(x) if self.virtual else parts[self.tp.rank].contiguous()
 
 
 class CopyToTP(torch.autograd.Function):
@@ -236,7 +237,7 @@ class ReduceScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         g = ctx.site.all_gather(grad.contiguous(), "backward")
-        return (g.unsqueeze(0).expand(ctx.shape) if ctx.site._sim else g), None
+        return (g.unsqueeze(0).expand(ctx.shape) if ctx.site.virtual else g), None
 
 
 class AllGather(torch.autograd.Function):
@@ -315,7 +316,7 @@ class AddNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dnormed, drout):
         rout, weight = ctx.saved_tensors
-        if not ctx.site._sim:
+        if not ctx.site.virtual:
             dr, dw = _add_norm_backward(rout, weight, ctx.eps, dnormed, drout)
             return dr, dr, dw, None, None
         split = ctx.site.split
