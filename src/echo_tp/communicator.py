@@ -20,10 +20,10 @@ They leave no telemetry rows (telemetry covers the all-reduce).
 Defined answers (issue 15):
 * Ranks must make the same calls: each new call signature (kind, numel, dtype, bits,
   direction) is checked once per communicator with one small all-gather of 5 integers, then
-  cached, so ranks
-  that disagree get a ValueError on every rank before any packet moves (ECHO_DEBUG_CHECKS=1
-  checks every call: a rank whose signature is cached cannot notice a peer's new one, so only
-  the debug mode also catches a disagreement on a signature both ranks used before).
+  cached, so ranks that disagree get a ValueError on every rank before any packet moves
+  (ECHO_DEBUG_CHECKS=1 checks every call: a rank whose signature is cached cannot notice a
+  peer's new one, so only the debug mode also catches a disagreement on a signature both
+  ranks used before).
 * A group of one returns its input exactly (a copy, or x itself with inplace=True).
 * One communicator serves one thread: a second thread entering a collective while another is
   inside raises RuntimeError, and the communicator refuses every later call (the two calls'

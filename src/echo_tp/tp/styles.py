@@ -53,9 +53,10 @@ from __future__ import annotations
 import types
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
 from .parallelize import _backward_pass_hook, _forward_pass_hook
@@ -64,11 +65,15 @@ from .sites import (AllGather, CopyToTP, GatherFromSequence, ReduceFromTP, Reduc
 
 
 def _site(comm, bits: int | None, dim: int = 1) -> Site:
-    import torch.distributed as dist
-    rank = dist.get_rank(comm.group) if dist.is_initialized() else 0
+    rank = dist.get_rank(comm.group)
     tp = TPContext(comm=comm, policy=lambda site: bits, world_size=comm.world_size, n_layers=0,
                    rank=rank)
     return Site(tp, 0, dim=dim)
+
+
+def _or_seq(dim: int | None) -> int:
+    """The dim a site splits: the layout's Shard dim, else (unused) the sequence dim 1."""
+    return 1 if dim is None else dim
 
 
 def _shard_dim(layout, style: str, what: str) -> int | None:
@@ -124,7 +129,7 @@ class EchoColwiseParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         _check(self.comm, module, device_mesh, type(self).__name__)
         _distribute(self, module, device_mesh, {"weight": Shard(0), "bias": Shard(0)})
-        site = None if self.comm is None else _site(self.comm, self.bits, self.dim or 1)
+        site = None if self.comm is None else _site(self.comm, self.bits, _or_seq(self.dim))
         enter = AllGather if self.dim is not None else CopyToTP
 
         def forward(mod, x: torch.Tensor) -> torch.Tensor:
@@ -147,7 +152,7 @@ class EchoRowwiseParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         _check(self.comm, module, device_mesh, type(self).__name__)
         _distribute(self, module, device_mesh, {"weight": Shard(1), "bias": Replicate()})
-        site = _site(self.comm, self.bits, self.dim or 1)
+        site = _site(self.comm, self.bits, _or_seq(self.dim))
         reduce = ReduceScatter if self.dim is not None else ReduceFromTP
 
         def forward(mod, x: torch.Tensor) -> torch.Tensor:
@@ -163,7 +168,6 @@ def _bias(bias, dim: int | None) -> torch.Tensor:
     gradient covers its positions only: a Partial DTensor gradient (as SequenceParallel's)."""
     if dim is None:
         return bias.to_local()
-    from torch.distributed.tensor import Partial
     return bias.to_local(grad_placements=[Partial()])
 
 
@@ -177,7 +181,7 @@ class EchoBlockInput(ParallelStyle):
         self.dim = _shard_dim(input_layouts, type(self).__name__, "input_layouts")
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        site = _site(self.comm, self.bits, self.dim or 1)
+        site = _site(self.comm, self.bits, _or_seq(self.dim))
         enter = AllGather if self.dim is not None else CopyToTP
 
         def hook(mod, args, kwargs):
