@@ -10,7 +10,8 @@ against the measured tables (collective/tuning.py), not restated from them.
     dispatcher logs each decision once;
   * kernel plans: fused up to the fused cap, staged above; reduce/tail overlap only where
     measured (never compensated); tiles powers of two within the table's bounds;
-  * every table entry names a record that exists in docs/results; the two user overrides.
+  * every table entry names a record that exists in docs/results; the two user overrides;
+  * reduce-scatter / all-gather calls (sequence parallelism) take the reference, saying why.
 Look first at collective/routing.route when a decision test fails, at collective/tuning.py
 when a table test does.
 """

@@ -259,3 +259,15 @@ def test_sequence_parallel_styles_echo4_is_identical_on_every_rank(ranks):
         assert torch.equal(a["grads"][name], b["grads"][name]), name
     rel = float((a["logits"] - exact).norm() / exact.norm())
     assert 0 < rel < 0.2, rel
+
+
+def test_sequence_parallel_styles_refuse_bad_layouts():
+    from torch.distributed.tensor import Partial, Shard
+
+    from echo_tp.tp.styles import EchoColwiseParallel, EchoGatherInput, EchoRowwiseParallel
+    with pytest.raises(ValueError, match="needs the EchoCommunicator"):
+        EchoColwiseParallel(input_layouts=Shard(1))       # who would all-gather the input?
+    with pytest.raises(ValueError, match=r"output_layouts=...\) takes Replicate\(\) or Shard"):
+        EchoRowwiseParallel(object(), output_layouts=Partial())
+    with pytest.raises(ValueError, match="needs the EchoCommunicator"):
+        EchoGatherInput(None)
