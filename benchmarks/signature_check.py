@@ -39,7 +39,7 @@ def _rank(rank, world_size, sizes, iters):
         comm = EchoCommunicator.from_group(None, EchoConfig(bits=4, eta=0.0))
         comm.all_reduce(x)                                   # the signature is checked here
         cfg = comm.config_for(None)
-        lookup = _median_us(lambda: comm._check_call(x, cfg, "forward"), iters * 50)
+        lookup = _median_us(lambda: comm._check_call(x, cfg, "forward", "all_reduce"), iters * 50)
         dist.barrier()
         call = _median_us(lambda: comm.all_reduce(x), iters)
         comm._debug_checks = True                            # = ECHO_DEBUG_CHECKS=1

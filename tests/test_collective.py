@@ -1,5 +1,6 @@
 """The quantized all-reduce on real gloo ranks (P = 2, 4 and 8) against SPEC.md §2, and the simulated
-backend against those real runs, bit for bit.
+backend against those real runs, bit for bit; likewise its two halves, the reduce-scatter and the
+all-gather (collective/sharded.py; their simulated-only tests: test_sharded.py).
 
 Each world size is spawned once (module fixture) and runs every case; the tests then compare:
   * every rank's y, bit for bit;
@@ -8,8 +9,15 @@ Each world size is spawned once (module fixture) and runs every case; the tests 
     within the bound of the two quantizations;
   * compensated passes (both residual modes, bits 4 and 8, forward and backward with gradient
     scaling): y and compensator states against SimulatedCommunicator on the same inputs.
+Halves: every rank's reduce-scatter and all-gather against an independent re-implementation
+(chunk j of rank r quant_dequant'ed unless r == j, fp32 owner sum in rank order; each shard
+quant_dequant'ed once), bit for bit (bits 4/8, three quantizers and dtypes, padded chunks, dim
+0 / 1 / -2); compensated passes (forward, backward with scaling) against simulated, outputs and
+states bit for bit; bits=16 against torch's reduce_scatter_tensor / all_gather_into_tensor;
+calls that differ in kind or size refused on every rank.
 Inputs come from a fresh seed per test session (printed on failure).
-If the independent reference disagrees, look first at collective/qar.py (padding, owner order).
+If the independent reference disagrees, look first at collective/qar.py (padding, owner order),
+for the halves at collective/sharded.py and EchoCommunicator._half_view (dims).
 """
 import os
 
@@ -17,8 +25,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from echo_tp import SimulatedCommunicator, quant
-from harness import run_ranks, two_timescale
+from echo_tp import EchoConfig, SimulatedCommunicator, quant
+from harness import bits_differ, run_ranks, two_timescale
 
 # fresh per session; spawned ranks inherit it through the environment
 SEED = int(os.environ.setdefault("ECHO_TEST_SEED", str(int.from_bytes(os.urandom(4), "little"))))
@@ -90,6 +98,7 @@ def _worker(rank, world_size):
         out["mismatch"] = None
     except ValueError as e:
         out["mismatch"] = str(e)
+    out["halves"] = _halves_worker(rank, world_size)
     return out
 
 
@@ -234,3 +243,208 @@ def test_all_reduce_add_rmsnorm_is_the_composition():
         assert torch.equal(rout[0], rout[3])                 # every rank the same
     with pytest.raises(ValueError, match="weight"):
         a.all_reduce_add_rmsnorm(partial, res, w[:10], 1e-5)
+
+
+# ----- the halves: reduce-scatter and all-gather ---------------------------------------------
+HALF_CASES = [  # (per-rank shape, dim, dtype, bits, quantizer): the RS input; the AG input is
+    ((8 * 150,), 0, torch.bfloat16, 4, "zero_aware"),          # its output. Chunks padded
+    ((8, 3, 50), 0, torch.float16, 8, "naive"),                 # to whole groups
+    ((2, 16, 64), 1, torch.float32, 4, "symmetric"),           # the sequence dim of SP
+    ((5, 8, 96), -2, torch.bfloat16, 4, "zero_aware"),
+    ((8,), 0, torch.float32, 4, "zero_aware"),                  # one value per chunk at P=8
+]
+HALF_COMP = [EchoConfig(), two_timescale(bits=4), two_timescale(bits=8, quantizer="symmetric")]
+HALF_SHAPE, HALF_FWD, HALF_BWD = (2, 8, 96), 4, 3                # [B, T, H]
+
+
+def half_input(case: int, rank: int, shape, dtype):
+    g = torch.Generator().manual_seed(SEED + 7919 * case + rank + 555)
+    x = torch.randn(shape, generator=g) * (1 + rank)
+    if x.numel() > 40:
+        x.view(-1)[::37] *= 20.0                                 # outliers
+    return x.to(dtype)
+
+
+def half_comp_input(cfg_i: int, call: int, rank: int, backward: bool):
+    g = torch.Generator().manual_seed(SEED + 104729 * cfg_i + 31 * call + rank + 777 * backward)
+    x = torch.randn(HALF_SHAPE, generator=g) + 0.5 * rank
+    return (x * 1e-7 if backward else x).to(torch.bfloat16)      # tiny gradients: scaling
+
+
+def _halves_worker(rank, world_size):
+    import torch.distributed as dist
+
+    from echo_tp import EchoCommunicator
+    P = world_size
+    out = {"rs": [], "ag": [], "comp": []}
+    for c, (shape, dim, dtype, bits, qz) in enumerate(HALF_CASES):
+        comm = EchoCommunicator.from_group(None, EchoConfig(bits=bits, quantizer=qz, eta=0.0))
+        y = comm.reduce_scatter(half_input(c, rank, shape, dtype), dim=dim)
+        out["rs"].append(y)
+        out["ag"].append(comm.all_gather(y, dim=dim))
+    plain = EchoCommunicator.from_group(None, EchoConfig(bits=16))
+    x = half_input(0, rank, (8 * 150,), torch.bfloat16)
+    want = torch.empty(8 * 150 // P, dtype=x.dtype)
+    dist.reduce_scatter_tensor(want, x)
+    gathered = torch.empty(P * 150, dtype=x.dtype)
+    dist.all_gather_into_tensor(gathered, x[:150].contiguous())
+    ints = torch.randint(-50, 50, (2, 8, 6), generator=torch.Generator().manual_seed(SEED + rank))
+    out["plain"] = dict(rs=plain.reduce_scatter(x), want_rs=want,
+                        ag=plain.all_gather(x[:150]), want_ag=gathered,
+                        ints=plain.reduce_scatter(ints.bfloat16(), dim=1))
+    for i, cfg in enumerate(HALF_COMP):
+        comm = EchoCommunicator.from_group(None, cfg)
+        res = {}
+        for direction, n, bwd in (("forward", HALF_FWD, False), ("backward", HALF_BWD, True)):
+            comm.new_pass(direction)
+            ys = []
+            for call in range(n):
+                y = comm.reduce_scatter(half_comp_input(i, call, rank, bwd), dim=1,
+                                        direction=direction)
+                ys.append((y, comm.all_gather(y, dim=1, direction=direction)))
+            res[direction] = ys
+            res[direction + "_state"] = {
+                k: (s.m1.clone(), s.m2.clone()) for k in ("reduce_scatter", "all_gather")
+                if (s := comm.state(direction, kind=k)) is not None}
+        out["comp"].append(res)
+    # calls that differ across ranks: a ValueError on every rank, the communicator usable after
+    out["mismatch"] = []
+    for a, b in ((("reduce_scatter", 1024), ("all_gather", 1024)),
+                 (("reduce_scatter", 1024), ("reduce_scatter", 2048))):
+        comm = EchoCommunicator.from_group(None, EchoConfig(bits=4))
+        kind, n = a if rank == 0 else b
+        try:
+            getattr(comm, kind)(torch.ones(n))
+            res = "returned"
+        except ValueError as e:
+            res = str(e)
+        y = comm.all_gather(torch.full((8,), float(rank)), bits=16)
+        out["mismatch"].append((res, torch.equal(y, torch.arange(float(P)).repeat_interleave(8))))
+    try:
+        comm.reduce_scatter(torch.ones(6, 7), dim=1)
+    except ValueError as e:
+        out["bad_dim"] = str(e)
+    return out
+
+
+def _front(x, dim):
+    """A rank's tensor with dim moved first, flat, fp32 (the order its groups are taken in)."""
+    return x.movedim(dim, 0).contiguous().reshape(-1).float()
+
+
+def independent_reduce_scatter(xs, dim, spec, dtype):
+    """Owner j: the sum over ranks r, in rank order, of chunk j, quant_dequant'ed (padded to
+    whole groups) unless r == j, in fp32; each rank's output in its chunk's shape."""
+    P, m = len(xs), xs[0].numel() // len(xs)
+    seg = -(-m // spec.group_size) * spec.group_size
+    flat = [_front(x, dim).view(P, m) for x in xs]
+    shape = list(xs[0].movedim(dim, 0).shape)
+    shape[0] //= P
+    outs = []
+    for j in range(P):
+        acc = None
+        for r in range(P):
+            c = flat[r][j] if r == j else quant.quant_dequant(F.pad(flat[r][j], (0, seg - m)),
+                                                               spec)[:m]
+            acc = c if acc is None else acc + c
+        outs.append(acc.to(dtype).reshape(shape).movedim(0, dim))
+    return outs
+
+
+def independent_all_gather(shards, dim, spec, dtype):
+    """Each shard quant_dequant'ed once (padded to whole groups), concatenated in rank order."""
+    m = shards[0].numel()
+    seg = -(-m // spec.group_size) * spec.group_size
+    dec = [quant.quant_dequant(F.pad(_front(s, dim), (0, seg - m)), spec)[:m] for s in shards]
+    shape = list(shards[0].movedim(dim, 0).shape)
+    shape[0] *= len(shards)
+    return torch.cat(dec).to(dtype).reshape(shape).movedim(0, dim)
+
+
+def test_halves_match_independent_implementation(world):
+    P, res = world
+    for c, (shape, dim, dtype, bits, qz) in enumerate(HALF_CASES):
+        spec = EchoConfig(bits=bits, quantizer=qz).quant_spec()
+        xs = [half_input(c, r, shape, dtype) for r in range(P)]
+        want = independent_reduce_scatter(xs, dim, spec, dtype)
+        got = [res[r]["halves"]["rs"][c] for r in range(P)]
+        for r in range(P):
+            assert got[r].dtype == dtype and got[r].shape == want[r].shape, (c, got[r].shape)
+            assert not bits_differ(got[r], want[r]).any(), (c, r, SEED)
+        gathered = independent_all_gather(got, dim, spec, dtype)
+        assert gathered.shape == xs[0].shape
+        for r in range(P):                           # every rank the same codes, decoded
+            assert not bits_differ(res[r]["halves"]["ag"][c], gathered).any(), (c, r, SEED)
+        exact = torch.stack([x.double() for x in xs]).sum(0).chunk(P, dim)
+        err = max(float((got[r].double() - exact[r]).abs().max()) for r in range(P))
+        assert err < 0.3 * float(max(x.double().abs().max() for x in xs)), (c, err)
+
+
+def test_halves_simulated_is_bit_identical_to_gloo(world):
+    P, res = world
+    for c, (shape, dim, dtype, bits, qz) in enumerate(HALF_CASES):
+        sim = SimulatedCommunicator(P, EchoConfig(bits=bits, quantizer=qz, eta=0.0))
+        y = sim.reduce_scatter(torch.stack([half_input(c, r, shape, dtype) for r in range(P)]),
+                               dim=dim)
+        g = sim.all_gather(y, dim=dim)
+        for r in range(P):
+            assert not bits_differ(y[r], res[r]["halves"]["rs"][c]).any(), (c, r)
+            assert not bits_differ(g[r], res[r]["halves"]["ag"][c]).any(), (c, r)
+    for i, cfg in enumerate(HALF_COMP):
+        sim = SimulatedCommunicator(P, cfg)
+        for direction, n, bwd in (("forward", HALF_FWD, False), ("backward", HALF_BWD, True)):
+            sim.new_pass(direction)
+            for call in range(n):
+                xs = torch.stack([half_comp_input(i, call, r, bwd) for r in range(P)])
+                y = sim.reduce_scatter(xs, dim=1, direction=direction)
+                ag = sim.all_gather(y, dim=1, direction=direction)
+                for r in range(P):
+                    got_y, got_ag = res[r]["halves"]["comp"][i][direction][call]
+                    assert torch.equal(y[r], got_y) and torch.equal(ag[r], got_ag), \
+                        (i, direction, call, r, SEED)
+            states = res[0]["halves"]["comp"][i][direction + "_state"]
+            assert set(states) == {"reduce_scatter", "all_gather"}
+            for kind in states:
+                st = sim.state(direction, kind=kind)
+                for r in range(P):
+                    m1, m2 = res[r]["halves"]["comp"][i][direction + "_state"][kind]
+                    assert torch.equal(st.m1[r], m1) and torch.equal(st.m2[r], m2), (i, kind, r)
+
+
+def test_halves_backward_scaling_keeps_tiny_gradients(world):
+    P, res = world
+    for i, cfg in enumerate(HALF_COMP):
+        xs = torch.stack([half_comp_input(i, 0, r, True) for r in range(P)]).double()
+        exact = xs.sum(0).chunk(P, dim=1)
+        y, ag = res[0]["halves"]["comp"][i]["backward"][0]
+        tol = 0.2 if cfg.bits == 4 else 0.02
+        assert float((y.double() - exact[0]).norm() / exact[0].norm()) < tol, i
+        full = torch.cat(exact, dim=1)               # the chunks summed, then gathered
+        assert float((ag.double() - full).norm() / full.norm()) < 1.5 * tol, i
+
+
+def test_halves_at_16_bits_are_torch_reduce_scatter_and_all_gather(world):
+    P, res = world
+    for r in range(P):
+        p = res[r]["halves"]["plain"]
+        assert torch.equal(p["rs"], p["want_rs"]) and torch.equal(p["ag"], p["want_ag"])
+    ints = torch.stack([torch.randint(-50, 50, (2, 8, 6),
+                                      generator=torch.Generator().manual_seed(SEED + r))
+                        for r in range(P)]).bfloat16()
+    sim = SimulatedCommunicator(P, EchoConfig(bits=16)).reduce_scatter(ints, dim=1)
+    want = ints.double().sum(0).chunk(P, dim=1)
+    for r in range(P):                  # integers: every summation order is exact
+        assert torch.equal(sim[r], res[r]["halves"]["plain"]["ints"])
+        assert torch.equal(sim[r].double(), want[r])
+
+
+def test_halves_disagreeing_calls_are_refused_on_every_rank(world):
+    P, res = world
+    for c in range(2):
+        for r in range(P):
+            msg, usable = res[r]["halves"]["mismatch"][c]
+            assert "differ across ranks" in msg and "rank 1 calls" in msg, (c, r, msg)
+            assert usable, (c, r)
+    msg = res[0]["halves"]["mismatch"][0][0]
+    assert "rank 0 calls reduce_scatter(numel=1024" in msg and "all_gather(numel=1024" in msg
+    assert f"divisible by the group size {P}" in res[0]["halves"]["bad_dim"]

@@ -3,7 +3,8 @@
 What is checked, one case list per item (docs/results/2026-12-01-defined-answers.md is the table):
   * ranks that disagree on a call (numel, dtype, bits, direction) get a ValueError on EVERY rank
     instead of a wrong sum or a SIGABRT inside gloo; the communicator stays usable after;
-  * a group of one (gloo world of 1, simulated P=1) returns its input bit for bit, at any width;
+  * a group of one (gloo world of 1, simulated P=1) returns its input bit for bit, at any width
+    (the all-reduce, the reduce-scatter and the all-gather);
   * faults end in bounded time with a name: run_ranks' timeout, a failing rank reported at once,
     a rank that skips a call (its peer's error names its rank and the stage), SIGINT to the
     parent ends the ranks, groups echo-tp builds get ECHO_COLLECTIVE_TIMEOUT_S, inf is refused;
@@ -105,6 +106,7 @@ def _one_rank_worker(rank, world_size):
         comm = EchoCommunicator.from_group(None, EchoConfig(bits=bits))
         out[bits] = [comm.all_reduce(x.to(dt)).equal(x.to(dt))
                      for dt in (torch.float32, torch.bfloat16, torch.float16)]
+        out[bits] += [comm.reduce_scatter(x, dim=1).equal(x), comm.all_gather(x).equal(x)]
     return out
 
 
@@ -117,6 +119,8 @@ def test_group_of_one_returns_its_input_exactly():
         with sim.pass_scope("forward"):
             assert torch.equal(sim.all_reduce(x), x), bits
             assert torch.equal(sim.all_reduce(x, direction="backward"), x), bits
+            assert torch.equal(sim.reduce_scatter(x, dim=1), x), bits
+            assert torch.equal(sim.all_gather(x, direction="backward"), x), bits
 
 
 # ----- 6. faults in bounded time --------------------------------------------------------------

@@ -18,6 +18,11 @@ layer), Mixtral (fused experts)):
   one family) bit for bit against the simulated run: logits, gradients, greedy tokens.
 - Echo 4-bit vs uncompensated 4-bit relative logit deviation from 16 bits (P=4 simulated, 8
   layers, planted outlier channels): measured ratio 0.10-0.21 over seeds 0-5 on Llama and Qwen3.
+- sequence parallelism (parallelize_hf(..., sequence_parallel=True)): simulated TP=4 at 16
+  bits vs unsharded for every family (logits, loss, every gradient, same tolerances); on the 2
+  gloo ranks at 16 bits vs unsharded, and at 16 and Echo 4 bits bit for bit against the
+  simulated run (Llama 3, Gemma 3's extra norms, Qwen3-MoE's experts reduced at the block
+  output, early8).
 - memory-lean loading (echo_tp.hf.load_hf_tp: meta build, each rank reads its safetensors
   slices) from a sharded save_pretrained directory == the unsharded model's logits, simulated
   (P=2, 4) and on the gloo ranks, whose parameters then hold less than the whole model; a
@@ -107,9 +112,9 @@ def tokens(b: int = 2, t: int = 9, seed: int = 3) -> torch.Tensor:
     return torch.randint(0, 256, (b, t), generator=torch.Generator().manual_seed(seed))
 
 
-def step(model):
+def step(model, t: int = 9):
     """Forward with labels (loss inside the CausalLM) + backward: (logits, loss)."""
-    x = tokens()
+    x = tokens(t=t)
     out = model(x, labels=x)
     out.loss.backward()
     if getattr(model, "echo_tp", None) is not None:
@@ -127,9 +132,9 @@ def rank_grads(model, rank=None):
     return {n: p.grad.clone() for n, p in rank_parameters(model, rank).items()}
 
 
-def check_against_reference(name, logits, loss, grads, shards, rank):
+def check_against_reference(name, logits, loss, grads, shards, rank, t: int = 9):
     ref = build(name)
-    ref_logits, ref_loss = step(ref)
+    ref_logits, ref_loss = step(ref, t)
     ref_grads = {n: p.grad for n, p in ref.named_parameters(remove_duplicate=False)}
     torch.testing.assert_close(logits, ref_logits, atol=LOGIT_ATOL, rtol=0)
     torch.testing.assert_close(loss, ref_loss, atol=LOGIT_ATOL, rtol=0)
@@ -207,7 +212,20 @@ def _worker(rank, world_size, ckpt):
         logits, loss = step(model)
         out[(name, 4)] = dict(logits=logits, loss=loss, grads=rank_grads(model),
                               generated=greedy(model))
+    for name, policy in SP_FAMILIES.items():
+        for cfg in ("16", "echo4"):
+            model = build(name)
+            parallelize_hf(model, EchoCommunicator.from_group(None, EchoConfig.from_name(cfg)),
+                           rank, policy=policy if cfg == "echo4" else None,
+                           sequence_parallel=True)
+            logits, loss = step(model, SP_T)
+            out[("sp", name, cfg)] = dict(logits=logits, loss=loss, grads=rank_grads(model),
+                                          shards=shard_table(model))
     return out
+
+
+SP_FAMILIES = {"llama3": "config", "gemma3": "config", "qwen3_moe": "early8"}  # -> policy
+SP_T = 8   # sequence parallelism: T divisible by P
 
 
 LEAN_FAMILY = "llama3"
@@ -416,3 +434,44 @@ def test_unsupported_models_and_styles_are_refused():
         parallelize_hf(build("phi3"), SimulatedCommunicator(8, EchoConfig(bits=16)))
     with pytest.raises(ValueError, match="Linear has no .config: pass a transformers model"):
         parallelize_hf(torch.nn.Linear(2, 2), SimulatedCommunicator(2, EchoConfig(bits=16)))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_sequence_parallel_simulated_matches_unsharded_at_16_bits(name):
+    model = build(name)
+    parallelize_hf(model, SimulatedCommunicator(4, EchoConfig(bits=16)), sequence_parallel=True)
+    logits, loss = step(model, SP_T)
+    assert model.echo_tp.sequence_partial        # the norms between the blocks
+    for r in range(4):
+        check_against_reference(name, logits, loss, rank_grads(model, r), shard_table(model), r,
+                                SP_T)
+
+
+def test_sequence_parallel_gloo(gloo2):
+    """16 bits vs unsharded; Echo 4 bits bit for bit against the simulated run."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the spawned ranks (harness): same BLAS blocking
+    try:
+        for name, policy in SP_FAMILIES.items():
+            for r in range(2):
+                got = gloo2[r][("sp", name, "16")]
+                check_against_reference(name, got["logits"], got["loss"], got["grads"],
+                                        got["shards"], r, SP_T)
+            for cfg in ("16", "echo4"):     # 16 too: at P = 2 any sum order is one rounding
+                sim = build(name)
+                parallelize_hf(sim, SimulatedCommunicator(2, EchoConfig.from_name(cfg)),
+                               policy=policy if cfg == "echo4" else None,
+                               sequence_parallel=True)
+                logits, loss = step(sim, SP_T)
+                if cfg == "echo4":
+                    assert (logits - gloo2[0][("sp", name, "16")]["logits"]).abs().max() > 1e-4
+                for r in range(2):
+                    got = gloo2[r][("sp", name, cfg)]
+                    assert torch.equal(logits, got["logits"]) and torch.equal(loss, got["loss"]),\
+                        (name, cfg, r)
+                    grads = rank_grads(sim, r)
+                    assert set(grads) == set(got["grads"]), name
+                    for pname, g in grads.items():
+                        assert torch.equal(g, got["grads"][pname]), (name, cfg, r, pname)
+    finally:
+        torch.set_num_threads(threads)

@@ -11,7 +11,8 @@ against the measured tables (collective/tuning.py), not restated from them.
     that adds it (p2p);
   * kernel plans: fused up to the fused cap, staged above; reduce/tail overlap only where
     measured (never compensated); tiles powers of two within the table's bounds;
-  * every table entry names a record that exists in docs/results; the two user overrides.
+  * every table entry names a record that exists in docs/results; the two user overrides;
+  * reduce-scatter / all-gather calls (sequence parallelism) take the reference, saying why.
 Look first at collective/routing.route when a decision test fails, at collective/tuning.py
 when a table test does.
 """
@@ -23,7 +24,8 @@ import torch.distributed as dist
 
 from echo_tp.collective import routing, tuning
 from echo_tp.collective.dispatch import Dispatcher, build_dispatcher
-from echo_tp.collective.routing import Call, route
+from echo_tp.collective.routing import Call, route, route_half
+from echo_tp.communicator import SimulatedCommunicator
 from echo_tp.config import EchoConfig
 from harness import two_timescale
 
@@ -270,3 +272,20 @@ def test_auto_on_cpu_is_the_reference(gloo_world, monkeypatch):
         build_dispatcher(None, "fastest")
     monkeypatch.setenv("ECHO_BACKEND", "reference")
     assert build_dispatcher(None, "auto").mode == "reference"
+
+
+def test_halves_take_the_reference_and_say_why(caplog):
+    """Reduce-scatter and all-gather calls route to the reference on every mode (no fused
+    kernel for the halves yet); the dispatcher logs the decision once per kind."""
+    for kind in ("reduce_scatter", "all_gather"):
+        r = route_half(kind)
+        assert r.backend == "reference" and "no fused kernel" in r.reason, r
+    with pytest.raises(ValueError, match="kind"):
+        route_half("broadcast")
+    sim = SimulatedCommunicator(2)
+    with caplog.at_level("INFO", logger="echo_tp.collective.dispatch"):
+        for _ in range(2):
+            sim.reduce_scatter(torch.zeros(2, 256))
+    assert sum("reduce_scatter calls -> reference" in m for m in caplog.messages) == 1
+    assert sim.dispatcher.last_route.backend == "reference"   # simulated: its transport
+    assert sim.dispatcher.last_backend == "simulated"

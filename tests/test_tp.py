@@ -13,9 +13,17 @@ What is compared with what:
 - simulated only: pass resets and direction separation (site counters, telemetry, determinism of
   repeated passes), bit policies in both directions, replicated kv heads at P=8, and Echo 4-bit
   against uncompensated 4-bit on a model with planted outlier channels.
+- sequence parallelism (parallelize(..., sequence_parallel=True), tp/sequence.py), on the same
+  gloo ranks (P = 2, 4) and simulated: at 16 bits logits and every gradient against the
+  single-device model (same tolerances; the norms' and row-parallel biases' gradients are
+  partial over the sequence shards until sync_partial_grads); at 4 and 8 bits (and 16 at
+  P = 2) simulated == gloo, logits and every gradient, bit for bit. Simulated only: the
+  reduce-scatter / all-gather calls per pass (none of the all-reduce), bits per site, and the
+  clear errors (a sequence length P does not divide, one-token decoding).
 Where to look first: a 16-bit mismatch -> tp/plan.py (head/kv index maths) or tp/parallelize.py
 (_shard); a simulated != gloo mismatch -> SimTPBlock / SimCopy / SimReduce (the shard loop must
-run the very ops of a real rank) or grads.sync_partial_grads (sum order).
+run the very ops of a real rank) or grads.sync_partial_grads (sum order); under sequence
+parallelism tp/sequence.py (sim_shardwise: the simulated norms must run shard by shard).
 """
 import copy
 
@@ -38,6 +46,7 @@ CASES = {  # name -> (preset, ModelConfig overrides, world sizes it runs at)
 QUANT_CONFIGS = [dict(bits=4),                       # the paper's fp32 pair (two_timescale)
                  dict(bits=8, beta1=0.0, beta2=0.0, state_dtype="bfloat16")]   # default state
 LOGIT_ATOL, GRAD_ATOL, GRAD_RTOL = 1e-5, 2e-6, 1e-4
+SP_CASES = {"llama-bias": (2,), "qwen3": (2, 4)}   # sequence parallel: case -> world sizes
 
 
 def build(case: str) -> torch.nn.Module:
@@ -57,9 +66,15 @@ def batch():
     return torch.randint(0, 256, (2, 9), generator=g), torch.randint(0, 256, (2, 9), generator=g)
 
 
-def step(model):
+def sp_batch():
+    """T = 8: divisible by every P the sequence-parallel cases run at."""
+    g = torch.Generator().manual_seed(14)
+    return torch.randint(0, 256, (2, 8), generator=g), torch.randint(0, 256, (2, 8), generator=g)
+
+
+def step(model, data=batch):
     """Forward + cross-entropy backward + partial-grad sync: (logits, {real name: grad})."""
-    x, y = batch()
+    x, y = data()
     logits = model(x)
     F.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
     if getattr(model, "echo_tp", None) is not None:
@@ -90,6 +105,17 @@ def _worker(rank, world_size):
                 model.eval()
                 res["generated"] = model.generate(batch()[0][:, :4], 5)
             out[(case, str(cfg))] = res
+    for case, sizes in SP_CASES.items():
+        if world_size not in sizes:
+            continue
+        for cfg in [dict(bits=16)] + QUANT_CONFIGS:
+            model = build(case)
+            parallelize(model, EchoCommunicator.from_group(None, two_timescale(**cfg)), rank,
+                        sequence_parallel=True)
+            logits = step(model, sp_batch)
+            out[("sp", case, str(cfg))] = dict(
+                logits=logits, grads=grads_of(rank_parameters(model)),
+                shards={k: (d, idx) for k, (d, idx, _) in model.echo_tp.shards.items()})
     return out
 
 
@@ -320,3 +346,89 @@ def test_block_boundaries_are_fused_all_reduce_add_rmsnorm(monkeypatch):
     one = parallelize(build("qwen3"), SimulatedCommunicator(1))
     assert all(layer.boundaries is None for layer in one.model.layers)
     torch.testing.assert_close(step(one), want, atol=0, rtol=0)   # a group of one: exact
+
+
+def test_sequence_parallel_matches_single_device_at_16_bits(world):
+    P, res = world
+    for case, sizes in SP_CASES.items():
+        if P not in sizes:
+            continue
+        ref = build(case)
+        ref_logits = step(ref, sp_batch)
+        ref_grads = grads_of(dict(ref.named_parameters(remove_duplicate=False)))
+        for r in range(P):
+            got = res[r][("sp", case, str(dict(bits=16)))]
+            shards = got["shards"]
+            torch.testing.assert_close(got["logits"], ref_logits, atol=LOGIT_ATOL, rtol=0)
+            assert set(got["grads"]) == set(ref_grads), case
+            for name, g in got["grads"].items():
+                want = _slice(ref_grads[name], shards, name, r)
+                torch.testing.assert_close(g, want, atol=GRAD_ATOL, rtol=GRAD_RTOL,
+                                           msg=lambda m: f"SP {case} rank {r} {name}: {m}")
+
+
+def test_sequence_parallel_simulated_is_bit_identical_to_gloo(world):
+    P, res = world
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the spawned ranks (harness); keeps BLAS blocking equal
+    try:
+        for case, sizes in SP_CASES.items():
+            if P not in sizes:
+                continue
+            # at P = 2 also 16 bits (a sum of two is one rounding in any order): no ulp of
+            # difference hides behind the quantizer's grid
+            for cfg in QUANT_CONFIGS + ([dict(bits=16)] if P == 2 else []):
+                sim = build(case)
+                parallelize(sim, SimulatedCommunicator(P, two_timescale(**cfg)),
+                            sequence_parallel=True)
+                logits = step(sim, sp_batch)
+                for r in range(P):
+                    got = res[r][("sp", case, str(cfg))]
+                    assert torch.equal(logits, got["logits"]), (case, cfg, r)
+                    params = rank_parameters(sim, r)
+                    assert set(params) == set(got["grads"]), (case, cfg)
+                    for name, p in params.items():
+                        assert torch.equal(p.grad, got["grads"][name]), (case, cfg, r, name)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_sequence_parallel_sites_and_errors():
+    """Per pass of an L-layer model: forward 2L reduce-scatters (compensated) and 2L + 1
+    all-gathers (the blocks' inputs and the head's), backward the mirror (2L all-gathers of the
+    blocks' output gradients + 1 of the embedding's, 2L reduce-scatters), no all-reduce; the
+    policy's bits reach them; 4 bits really quantize yet stay near 16 bits; a sequence length
+    P does not divide and one-token decoding get a ValueError."""
+    model = build("qwen3")
+    L = model.cfg.n_layers
+    comm = SimulatedCommunicator(2, EchoConfig(bits=4))
+    bits = []
+    real = SimulatedCommunicator._half
+
+    def recording(self, kind, x, dim, direction, b, compensate):
+        bits.append((kind, direction, b, compensate))
+        return real(self, kind, x, dim, direction, b, compensate)
+    ref = step(build("qwen3"), sp_batch)
+    parallelize(model, comm, policy="early8", sequence_parallel=True)
+    SimulatedCommunicator._half = recording
+    try:
+        logits = step(model, sp_batch)
+    finally:
+        SimulatedCommunicator._half = real
+    half = comm.half_passes
+    assert [half[k][d].sites for k in ("reduce_scatter", "all_gather")
+            for d in ("forward", "backward")] == [2 * L, 2 * L, 2 * L + 1, 2 * L + 1]
+    assert comm.passes["forward"].sites == comm.passes["backward"].sites == 0
+    assert {(k, c) for k, _, _, c in bits} == {("reduce_scatter", True), ("all_gather", False)}
+    fwd_rs = [b for k, d, b, _ in bits if (k, d) == ("reduce_scatter", "forward")]
+    assert fwd_rs == [8, 8, 4, 4]                        # early8: layer 0 at 8 bits
+    assert comm.state(kind="reduce_scatter") is not None
+    rel = float((logits - ref).norm() / ref.norm())
+    assert 1e-4 < rel < 0.5, rel
+    with pytest.raises(ValueError, match="length 9 is not divisible by P=2"):
+        model(batch()[0])
+    model.eval()
+    with pytest.raises(ValueError, match="decoding one token"):
+        model.generate(sp_batch()[0][:, :4], 2)
+    one = parallelize(build("qwen3"), SimulatedCommunicator(1), sequence_parallel=True)
+    torch.testing.assert_close(step(one, sp_batch), ref, atol=0, rtol=0)   # plain at P = 1

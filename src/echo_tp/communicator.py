@@ -11,18 +11,25 @@ size (compensator.PassState). bits=16 runs the plain all-reduce through the same
 backend is picked per call by a dispatcher (collective/dispatch.py) that falls back, ending at
 the torch.distributed reference.
 
+Sequence parallelism: `reduce_scatter(x, dim=0)` (each rank gets its chunk of the sum) and
+`all_gather(shard, dim=0)` (every rank gets all shards, bit-identical everywhere), the two
+halves of the quantized all-reduce (collective/sharded.py), with their own compensator states
+per direction and kind (reset by new_pass with the all-reduce's) and the same checks below.
+They leave no telemetry rows (telemetry covers the all-reduce).
+
 Defined answers (issue 15):
-* Ranks must make the same calls: each new call signature (numel, dtype, bits, direction) is
-  checked once per communicator with one small all-gather of 4 integers, then cached, so ranks
-  that disagree get a ValueError on every rank before any packet moves (ECHO_DEBUG_CHECKS=1
-  checks every call: a rank whose signature is cached cannot notice a peer's new one, so only
-  the debug mode also catches a disagreement on a signature both ranks used before).
+* Ranks must make the same calls: each new call signature (kind, numel, dtype, bits,
+  direction) is checked once per communicator with one small all-gather of 5 integers, then
+  cached, so ranks that disagree get a ValueError on every rank before any packet moves
+  (ECHO_DEBUG_CHECKS=1 checks every call: a rank whose signature is cached cannot notice a
+  peer's new one, so only the debug mode also catches a disagreement on a signature both
+  ranks used before).
 * A group of one returns its input exactly (a copy, or x itself with inplace=True).
-* One communicator serves one thread: a second thread entering all_reduce while another is
+* One communicator serves one thread: a second thread entering a collective while another is
   inside raises RuntimeError, and the communicator refuses every later call (the two calls'
   packets may have met their peers' in either order); build one communicator per thread.
-* Inputs that require grad (with grad mode on) are refused: all_reduce is no autograd op; the
-  TP layers (tp/sites.py) give it its backward.
+* Inputs that require grad (with grad mode on) are refused: the collectives are no autograd
+  ops; the TP layers (tp/sites.py) give them their backward.
 * Calls outside any pass keep one state stream per tensor size; past MAX_STREAMS sizes the
   oldest stream is dropped (its compensation restarts from zero, as at a new pass).
 """
@@ -46,6 +53,8 @@ from .telemetry import Telemetry
 log = logging.getLogger(__name__)
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+KINDS = ("all_reduce", "reduce_scatter", "all_gather")
+"""The collectives a communicator runs (part of each call's signature)."""
 MAX_STREAMS = 16
 """Compensator state streams (distinct tensor sizes) one direction keeps; the oldest beyond."""
 
@@ -62,6 +71,9 @@ class EchoCommunicator:
         self.world_size = dispatcher.world_size
         self.group = group
         self.passes = {d: PassState() for d in DIRECTIONS}
+        """The all-reduce's compensator state streams and site counters, per direction."""
+        self.half_passes = {k: {d: PassState() for d in DIRECTIONS} for k in KINDS[1:]}
+        """The same for the reduce-scatter and all-gather: [kind][direction]."""
         self.telemetry = Telemetry() if telemetry else None
         self._configs: dict[int, EchoConfig] = {}
         self._debug_checks = envs.debug_checks()
@@ -86,6 +98,8 @@ class EchoCommunicator:
         """Start a pass: zero the compensator state of `direction` and restart site numbering."""
         _check_direction(direction)
         self.passes[direction].reset()
+        for kind in self.half_passes.values():
+            kind[direction].reset()
         if self.telemetry is not None:
             self.telemetry.new_pass(direction)
 
@@ -106,20 +120,28 @@ class EchoCommunicator:
         finally:
             self._open_scopes.discard(direction)
 
-    def state(self, direction: str = "forward", numel: int | None = None):
-        """The compensator state (CompState) of a direction's stream of `numel`-sized sites."""
-        streams = self.passes[direction].streams
+    def state(self, direction: str = "forward", numel: int | None = None,
+              kind: str = "all_reduce"):
+        """The compensator state (CompState) of a direction's stream of `numel`-sized calls of
+        `kind` (numel: the input's per-rank size)."""
+        streams = self._pass(kind, direction).streams
         if numel is None:
             if len(streams) != 1:
                 raise ValueError(f"{len(streams)} state streams exist; name numel")
             return next(iter(streams.values()))
         return streams.get(numel)
 
+    def _pass(self, kind: str, direction: str) -> PassState:
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        return self.passes[direction] if kind == "all_reduce" else \
+            self.half_passes[kind][direction]
+
     # ----- the collective -----
-    def config_for(self, bits: int | None) -> EchoConfig:
+    def config_for(self, bits: int | None, kind: str = "all_reduce") -> EchoConfig:
         if bits is None:
             return self.config
-        check_bits(bits, "all_reduce(bits=...)")
+        check_bits(bits, f"{kind}(bits=...)")
         if bits == self.config.bits:
             return self.config
         cfg = self._configs.get(bits)
@@ -134,12 +156,35 @@ class EchoCommunicator:
         `bits` overrides the config's width for this site (per-site policies). `inplace=True`
         lets a plain (16-bit) all-reduce reuse x's storage (saves a copy; the caller must not
         need x afterwards); quantized calls always return a new tensor."""
-        return self._entered(lambda: self._all_reduce(x, direction, bits, inplace)[0])
+        return self._guarded("all_reduce",
+                             lambda: self._all_reduce(x, direction, bits, inplace)[0])
 
-    def _entered(self, call):
+    def reduce_scatter(self, x: torch.Tensor, *, dim: int = 0, direction: str = "forward",
+                       bits: int | None = None, compensate: bool = True) -> torch.Tensor:
+        """This rank's chunk of the sum over the group, with Echo compensation: x [..., P*k
+        at dim, ...] -> [..., k, ...] in x's dtype, chunk j along dim (x.chunk(P, dim)[j]) summed
+        on rank j, as torch's reduce_scatter_tensor (dim 0) does. Each rank's contribution to
+        another's chunk is quantized once, its own never (collective/sharded.py). Simulated:
+        x [P, ...] (rank i's tensor at index i; dim counts in rank i's tensor) -> [P, ...].
+        compensate=False: this call neither applies nor updates the error feedback (for an
+        output that is not summed downstream, where a fed-back error is added, not cancelled)."""
+        return self._guarded("reduce_scatter", lambda: self._half(
+            "reduce_scatter", x, dim, direction, bits, compensate))
+
+    def all_gather(self, x: torch.Tensor, *, dim: int = 0, direction: str = "forward",
+                   bits: int | None = None, compensate: bool = True) -> torch.Tensor:
+        """Every rank's x concatenated along dim in rank order (as torch's all_gather_into_
+        tensor at dim 0), with Echo compensation: x [..., k at dim, ...] -> [..., P*k, ...] in
+        x's dtype. Each shard is quantized once, by its rank; every rank (the owner too) decodes
+        the same codes, so the output is bit-identical on every rank (collective/sharded.py).
+        Simulated: x [P, ...] -> [P, ...] (identical rows). compensate: as reduce_scatter's."""
+        return self._guarded("all_gather", lambda: self._half(
+            "all_gather", x, dim, direction, bits, compensate))
+
+    def _guarded(self, name: str, call):
         """call() as the one thread inside this communicator (see the module docstring)."""
         if not self._entry.acquire(blocking=False):
-            self._broken = ("all_reduce was entered from two threads at once on one "
+            self._broken = (f"{name} was entered from two threads at once on one "
                             "communicator; the calls' results are undefined (their packets may "
                             "have met the peers' in either order), so this communicator refuses "
                             "every call now. Use one communicator per thread, or serialize the "
@@ -170,7 +215,7 @@ class EchoCommunicator:
         kernel on CUDA). Both give add_rmsnorm_reference(all_reduce(partial), residual, ...)
         bit for bit, with the same compensator state."""
         from .norm import add_rmsnorm, check_add_rmsnorm, rmsnorm
-        self._check_input(partial)
+        self._check_input(partial, "all_reduce")
         if residual.shape != partial.shape:
             residual = residual.expand(partial.shape)
         if isinstance(residual, torch.Tensor) and residual.dtype != partial.dtype:
@@ -180,8 +225,8 @@ class EchoCommunicator:
             y = self.all_reduce(partial, direction=direction, bits=bits)
             return add_rmsnorm(y.to(dtype), residual.to(dtype).contiguous(), weight, eps)
         check_add_rmsnorm(partial, residual, weight)
-        out, added = self._entered(
-            lambda: self._all_reduce(partial, direction, bits, False, residual=residual))
+        out, added = self._guarded("all_reduce", lambda: self._all_reduce(
+            partial, direction, bits, False, residual=residual))
         if added:
             return rmsnorm(out, weight, eps), out
         return add_rmsnorm(out, residual.contiguous(), weight, eps)
@@ -194,24 +239,19 @@ class EchoCommunicator:
         """-> (y, added): added=True when residual was given and the backend returned
         residual + y instead of y."""
         _check_direction(direction)
-        self._check_input(x)
+        self._check_input(x, "all_reduce")
         cfg = self.config_for(bits)
         ps = self.passes[direction]
         site = ps.sites
         flat = self._flatten(x)
         if not self.simulated:
-            self._check_call(flat, cfg, direction)
+            self._check_call(flat, cfg, direction, "all_reduce")
         ps.sites += 1
         if flat.shape[-1] == 0:
             return x.clone(), False
         if self.world_size == 1:       # the sum over a group of one is the input, exactly
             return (x if inplace else x.clone()), False
-        state = None
-        if cfg.compensated:
-            sdtype = getattr(torch, cfg.state_dtype)
-            state = ps.get(flat.shape[-1], tuple(flat.shape[:-1]), flat.device, sdtype,
-                           compact=cfg.beta1 == cfg.beta2)   # one tensor when m1 == m2
-            _bound_streams(ps, flat.shape[-1])
+        state = self._state_of(ps, flat, cfg)
         record = self.telemetry is not None and cfg.quantized
         inplace = inplace and x.is_contiguous() and (flat is x or flat.data_ptr() == x.data_ptr())
         added = residual is not None and not record and self.dispatcher.adds_residual(flat, cfg)
@@ -224,15 +264,77 @@ class EchoCommunicator:
                                   rec=rec, simulated=self.simulated)
         return (y if flat is x else y.reshape(x.shape)), added
 
-    def _check_call(self, flat: torch.Tensor, cfg: EchoConfig, direction: str) -> None:
+    def _half(self, kind, x, dim, direction, bits, compensate):
+        """A reduce-scatter or all-gather: the checks of all_reduce, dim moved to the front."""
+        _check_direction(direction)
+        self._check_input(x, kind)
+        cfg = self.config_for(bits, kind)
+        ps = self.half_passes[kind][direction]
+        flat, restore = self._half_view(x, dim, kind)
+        if not self.simulated:
+            self._check_call(flat, cfg, direction, kind)
+        ps.sites += 1
+        if self.world_size == 1:       # a group of one: its chunk / its gather is the input
+            return x.clone()
+        if flat.shape[-1] == 0:
+            return restore(flat.clone())
+        state = self._state_of(ps, flat, cfg) if compensate else None
+        y = self.dispatcher.run_half(kind, flat, cfg, state=state,
+                                     backward=direction == "backward")
+        return restore(y)
+
+    def _half_view(self, x: torch.Tensor, dim: int, kind: str):
+        """x -> (flat [*B, n] with `dim` moved to the front of each rank's tensor and made
+        contiguous, restore: the flat output [*B, n'] -> its shape, dim put back)."""
+        b = 1 if self.simulated else 0
+        if self.simulated:
+            self._flatten(x)                               # the leading-dim check
+        shape = tuple(x.shape[b:])
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            raise ValueError(f"{kind}(dim=...) takes an int, got {dim!r}")
+        if not shape:
+            raise ValueError(f"{kind} needs a tensor of at least one dim per rank, got shape "
+                             f"{tuple(x.shape)}")
+        if not -len(shape) <= dim < len(shape):
+            raise ValueError(f"{kind}: dim {dim} is out of range for a rank's tensor of shape "
+                             f"{shape}")
+        d = dim % len(shape)
+        P = self.world_size
+        if kind == "reduce_scatter" and shape[d] % P:
+            raise ValueError(f"reduce_scatter splits dim {dim} of a rank's tensor {shape} into "
+                             f"{P} equal chunks, one per rank: its size {shape[d]} must be "
+                             f"divisible by the group size {P}")
+        xm = (x.movedim(b + d, b) if d else x).contiguous()
+        flat = xm.reshape(*x.shape[:b], -1)
+        size = shape[d] // P if kind == "reduce_scatter" else shape[d] * P
+        out_shape = (*x.shape[:b], size, *xm.shape[b + 1:])
+
+        def restore(y: torch.Tensor) -> torch.Tensor:
+            y = y.reshape(out_shape)
+            return y.movedim(b, b + d).contiguous() if d else y
+        return flat, restore
+
+    def _state_of(self, ps: PassState, flat: torch.Tensor, cfg: EchoConfig):
+        """The compensator state stream of flat's size in ps (None when uncompensated)."""
+        if not cfg.compensated:
+            return None
+        sdtype = getattr(torch, cfg.state_dtype)
+        state = ps.get(flat.shape[-1], tuple(flat.shape[:-1]), flat.device, sdtype,
+                       compact=cfg.beta1 == cfg.beta2)   # one tensor when m1 == m2
+        _bound_streams(ps, flat.shape[-1])
+        return state
+
+    def _check_call(self, flat: torch.Tensor, cfg: EchoConfig, direction: str,
+                    kind: str) -> None:
         """Every rank makes this call with the same signature: checked once per signature (every
         call under ECHO_DEBUG_CHECKS=1), a ValueError on every rank otherwise."""
-        sig = (flat.shape[-1], DTYPES.index(flat.dtype), cfg.bits, DIRECTIONS.index(direction))
+        sig = (KINDS.index(kind), flat.shape[-1], DTYPES.index(flat.dtype), cfg.bits,
+               DIRECTIONS.index(direction))
         if sig in self._checked:
             return
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
-                f"echo-tp: the first call of signature (numel, dtype, bits, direction) = {sig} "
+                f"echo-tp: the first call of signature {_describe(sig)} "
                 "is inside CUDA graph capture; its once-per-signature check across ranks needs "
                 "a collective and a host read. Make one eager call of each signature before "
                 "capturing (the usual warm-up).")
@@ -245,16 +347,16 @@ class EchoCommunicator:
     def _flatten(self, x: torch.Tensor) -> torch.Tensor:
         return x if x.dim() == 1 else x.reshape(-1)
 
-    def _check_input(self, x: torch.Tensor) -> None:
+    def _check_input(self, x: torch.Tensor, kind: str) -> None:
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"all_reduce expects a torch.Tensor, got {type(x).__name__}")
+            raise TypeError(f"{kind} expects a torch.Tensor, got {type(x).__name__}")
         if x.dtype not in DTYPES:
-            raise ValueError(f"all_reduce supports {DTYPES}, got {x.dtype}")
+            raise ValueError(f"{kind} supports {DTYPES}, got {x.dtype}")
         if x.requires_grad and torch.is_grad_enabled():
-            raise RuntimeError("all_reduce got a tensor that requires_grad with grad mode on, "
+            raise RuntimeError(f"{kind} got a tensor that requires_grad with grad mode on, "
                                "but it is no autograd op (its result would be detached). Call "
                                "it under torch.no_grad() or on x.detach(), or use the TP layers "
-                               "of echo_tp.tp, whose sites give the all-reduce its backward")
+                               "of echo_tp.tp, whose sites give the collectives their backward")
 
     def telemetry_summary(self, reduce: bool = True) -> list[dict]:
         if self.telemetry is None:
@@ -265,12 +367,16 @@ class EchoCommunicator:
         self.dispatcher.close()
         for ps in self.passes.values():
             ps.reset()
+        for kind in self.half_passes.values():
+            for ps in kind.values():
+                ps.reset()
 
 
 class SimulatedCommunicator(EchoCommunicator):
     """P virtual ranks in one process: all_reduce takes [P, ...] (rank i's partial at index i)
-    and returns [P, ...] (identical rows), bit-identical to the P-process run. On a GPU the
-    quantized calls run the fused p2p kernels of every virtual rank (fused=False or
+    and returns [P, ...] (identical rows), bit-identical to the P-process run; reduce_scatter
+    and all_gather likewise ([P, ...] in, rank i's output at index i out). On a GPU the
+    quantized all-reduces run the fused p2p kernels of every virtual rank (fused=False or
     ECHO_BACKEND=reference: the unfused reference; the same bits either way)."""
 
     simulated = True
@@ -293,7 +399,7 @@ class SimulatedCommunicator(EchoCommunicator):
 
     def _flatten(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 0 or x.shape[0] != self.world_size:
-            raise ValueError(f"simulated all_reduce needs a leading dim of size "
+            raise ValueError(f"simulated collectives need a leading dim of size "
                              f"{self.world_size} (one slice per virtual rank), "
                              f"got {tuple(x.shape)}")
         return x.reshape(self.world_size, -1)
@@ -326,21 +432,21 @@ def _bound_streams(ps, keep: int) -> None:
 
 
 def _describe(sig) -> str:
-    n, dt, bits, d = (int(v) for v in sig)
+    kind, n, dt, bits, d = (int(v) for v in sig)
+    name = KINDS[kind] if 0 <= kind < len(KINDS) else f"collective#{kind}"
     dtype = DTYPES[dt] if 0 <= dt < len(DTYPES) else f"dtype#{dt}"
     direction = DIRECTIONS[d] if 0 <= d < len(DIRECTIONS) else f"direction#{d}"
-    return f"(numel={n}, dtype={dtype}, bits={bits}, direction={direction!r})"
+    return f"{name}(numel={n}, dtype={dtype}, bits={bits}, direction={direction!r})"
 
 
 def check_same_call(sig: tuple, transport, device) -> None:
-    """One small all-gather (4 integers a rank): every rank passes the same (numel, dtype,
-    bits, direction); ValueError on every rank, naming each rank's call, otherwise."""
+    """One small all-gather (5 integers a rank): every rank makes the same call (kind, numel,
+    dtype, bits, direction); ValueError on every rank, naming each rank's call, otherwise."""
     got = transport.all_gather_ints(list(sig), device=device, stage="call-signature check")
     bad = [r for r, g in enumerate(got) if g != got[0]]
     if bad:
-        raise ValueError("all_reduce calls differ across ranks: rank 0 calls "
+        raise ValueError("collective calls differ across ranks: rank 0 calls "
                          + _describe(got[0]) + ", "
                          + ", ".join(f"rank {r} calls {_describe(got[r])}" for r in bad)
-                         + ". Every rank must make the same all_reduce calls in the same order "
-                         "(same numel, dtype, bits and direction); nothing was sent")
-
+                         + ". Every rank must make the same calls in the same order (same "
+                         "collective, numel, dtype, bits and direction); nothing was sent")

@@ -4,6 +4,7 @@ this module builds the backends a group can have and runs the call on the one pi
     'auto' on an intra-node GPU group:  oneshot | p2p | plain | reference (routing.route)
     'auto' elsewhere (CPU/gloo, multi-node), or 'reference':  the reference for every call
     'p2p':  p2p for every call its kernels can take (an error at build if it cannot run)
+    reduce-scatter / all-gather calls (any mode): the reference (routing.route_half)
 
 A block boundary's residual add (comm.all_reduce_add_rmsnorm) goes into the call where the
 route's backend adds it where y is decoded (`adds_residual`: p2p); `adds_residual(x, cfg)` says
@@ -28,6 +29,7 @@ from .chunked import chunked_all_reduce
 from .qar import StepRecord
 from .reference import DistTransport
 from .routing import Route
+from .sharded import compensated_all_gather, compensated_reduce_scatter
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,16 @@ class TransportBackend:
             return self.transport.all_sum(x, inplace=inplace), None
         return chunked_all_reduce(x, cfg, self.transport, state=state, backward=backward,
                                   record=record)
+
+    def reduce_scatter(self, x: torch.Tensor, cfg: EchoConfig, *, state: CompState | None,
+                       backward: bool) -> torch.Tensor:
+        """x [*B, P*m] -> this rank's chunk of the sum [*B, m] (collective/sharded.py)."""
+        return compensated_reduce_scatter(x, cfg, self.transport, state=state, backward=backward)
+
+    def all_gather(self, x: torch.Tensor, cfg: EchoConfig, *, state: CompState | None,
+                   backward: bool) -> torch.Tensor:
+        """x [*B, m] -> every rank's shard in rank order [*B, P*m] (collective/sharded.py)."""
+        return compensated_all_gather(x, cfg, self.transport, state=state, backward=backward)
 
     def close(self) -> None:
         pass
@@ -136,6 +148,16 @@ class Dispatcher:
             kw["residual"] = residual
         return b.run(x, cfg, state=state, backward=backward, record=record, inplace=inplace,
                      **kw)
+
+    def run_half(self, kind: str, x, cfg, *, state, backward):
+        """A reduce-scatter or all-gather (kind): routing.route_half picks the backend."""
+        r = routing.route_half(kind)
+        if (kind, r.backend) not in self._logged:
+            self._logged.add((kind, r.backend))
+            log.info("echo-tp: %s calls -> %s: %s", kind, r.backend, r.reason)
+        b = self.backends[r.backend]
+        self.last_backend, self.last_route = b.name, r
+        return getattr(b, kind)(x, cfg, state=state, backward=backward)
 
     def close(self) -> None:
         for b in self.backends.values():

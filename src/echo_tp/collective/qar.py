@@ -9,6 +9,8 @@ Shapes: B = batch of virtual ranks, () on a real rank, (P,) in simulation.
     1. encode every segment, all-to-all the packets        -> recv [*B, P(sender), nbytes]
     2. owner sum, in rank order, own segment unquantized    -> acc [*B, seg] fp32
     3. encode acc once, all-gather, everyone decodes        -> y32 [*B, P, seg] fp32
+Steps 1-2 are a reduce-scatter (`scatter_sum`) and step 3 an all-gather (`gather_decode`);
+collective/sharded.py offers each half as a collective of its own (sequence parallelism).
 """
 from __future__ import annotations
 
@@ -50,6 +52,13 @@ class Transport(Protocol):
         """[*B, N] -> [*B, N]: the plain 16-bit all-reduce, in x's dtype (inplace: x's storage
         may be reused)."""
 
+    def sum_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """[*B, P*m] -> [*B, m]: the plain 16-bit reduce-scatter (chunk j summed on rank j), in
+        x's dtype."""
+
+    def gather_cat(self, x: torch.Tensor) -> torch.Tensor:
+        """[*B, m] -> [*B, P*m]: the plain 16-bit all-gather (rank j's x at chunk j)."""
+
 
 def segment_len(numel: int, world_size: int, group_size: int) -> int:
     """Per-owner segment length: ceil(N / (P*g)) * g (padding never reaches the caller)."""
@@ -76,6 +85,40 @@ def codec_for(x: torch.Tensor):
     return quant
 
 
+def scatter_sum(xpad: torch.Tensor, spec: QuantSpec, t: Transport,
+                codec) -> tuple[torch.Tensor, torch.Tensor]:
+    """QAR steps 1-2, a quantized reduce-scatter. xpad fp32 [*B, P, seg] (segment j for owner j,
+    seg a multiple of g) -> (acc [*B, seg] fp32, this rank's owner sum; sent_err [*B, P, seg]
+    fp32, x_j - decode(encode(x_j)), the own slot unused).
+
+    Unfused: acc = x_own + sum_{r != own} decode(encode(x_r[own])), added in rank order."""
+    P, seg = xpad.shape[-2:]
+    # 1. quantize every segment (the own one is never used), send segment j to owner j
+    packets = codec.encode(xpad, spec)
+    sent_err = xpad - codec.decode(packets, spec)
+    recv = t.all_to_all(quant.to_bytes(packets))
+    contrib = codec.decode(quant.from_bytes(recv, seg, spec), spec)      # [*B, P(sender), seg]
+    # 2. owner sum in fp32, in rank order, the own segment unquantized
+    own = t.own(xpad)
+    contrib = t.replace_own(contrib, own)
+    acc = contrib[..., 0, :]
+    for r in range(1, P):
+        acc = acc + contrib[..., r, :]
+    acc = torch.where(torch.isfinite(own), quant.clamp_finite(acc), acc)  # a finite own
+    return acc, sent_err                                                  # segment saturates
+
+
+def gather_decode(v: torch.Tensor, spec: QuantSpec, t: Transport, codec) -> torch.Tensor:
+    """QAR step 3, a quantized all-gather. v fp32 [*B, seg] (seg a multiple of g) -> y32
+    [*B, P, seg] fp32: every rank's v, each encoded once by its rank and decoded by every rank
+    (the owner too), so every rank holds the same values.
+
+    Unfused: y32[r] = decode(encode(v_r))."""
+    seg = v.shape[-1]
+    gathered = t.all_gather(quant.to_bytes(codec.encode(v, spec)))
+    return codec.decode(quant.from_bytes(gathered, seg, spec), spec)
+
+
 def qar(xq: torch.Tensor, spec: QuantSpec, t: Transport, codec=None) -> QAROut:
     """xq fp32 [*B, N] -> QAROut. Each element is quantized at most twice.
     codec: quant (the reference) or kernels.quant_kernels; default codec_for(xq)."""
@@ -84,21 +127,8 @@ def qar(xq: torch.Tensor, spec: QuantSpec, t: Transport, codec=None) -> QAROut:
     n = xq.shape[-1]
     seg = segment_len(n, P, spec.group_size)
     xpad = F.pad(xq, (0, P * seg - n)).reshape(*xq.shape[:-1], P, seg)
-    # 1. quantize every segment (the own one is never used), send segment j to owner j
-    packets = codec.encode(xpad, spec)
-    sent_err = xpad - codec.decode(packets, spec)
-    recv = t.all_to_all(quant.to_bytes(packets))
-    contrib = codec.decode(quant.from_bytes(recv, seg, spec), spec)      # [*B, P(sender), seg]
-    # 2. owner sum in fp32, in rank order, the own segment unquantized
-    contrib = t.replace_own(contrib, t.own(xpad))
-    acc = contrib[..., 0, :]
-    for r in range(1, P):
-        acc = acc + contrib[..., r, :]
-    own = t.own(xpad)                      # a finite own segment: an overflowed sum saturates
-    acc = torch.where(torch.isfinite(own), quant.clamp_finite(acc), acc)
-    # 3. requantize once, all-gather, everyone (owner included) decodes the same codes
-    gathered = t.all_gather(quant.to_bytes(codec.encode(acc, spec)))
-    y32 = codec.decode(quant.from_bytes(gathered, seg, spec), spec)
+    acc, sent_err = scatter_sum(xpad, spec, t, codec)                     # steps 1-2
+    y32 = gather_decode(acc, spec, t, codec)                              # step 3
     return QAROut(y32=y32, acc=acc, sent_err=sent_err)
 
 

@@ -1,6 +1,7 @@
 """torch.distributed transport for the quantized all-reduce: one all-to-all of packets and one
-all-gather of owner packets. Works on any backend with those collectives (gloo on CPU, NCCL on
-GPUs, also across nodes). This is the reference backend every faster one is compared with.
+all-gather of owner packets (the reduce-scatter and all-gather halves: one each). Works on any
+backend with those collectives (gloo on CPU, NCCL on GPUs, also across nodes). This is the
+reference backend every faster one is compared with.
 
 A collective that fails while waiting on a peer (the group's timeout ran out, a peer died)
 raises PeerWaitError naming this rank and the stage of the call it was in; groups echo-tp
@@ -12,6 +13,11 @@ import torch
 import torch.distributed as dist
 
 from .. import envs
+
+
+# torch >= 2.13 names them *_single; older releases only have the *_tensor forms
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class PeerWaitError(RuntimeError):
@@ -74,6 +80,16 @@ class DistTransport:
         y = x if inplace else x.clone()
         self._wait("plain 16-bit all-reduce", dist.all_reduce, y)
         return y
+
+    def sum_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.new_empty(x.shape[-1] // self.world_size)
+        self._wait("plain 16-bit reduce-scatter", _REDUCE_SCATTER, out, x.contiguous())
+        return out
+
+    def gather_cat(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.new_empty(x.shape[-1] * self.world_size)
+        self._wait("plain 16-bit all-gather", _ALL_GATHER, out, x.contiguous())
+        return out
 
     def all_gather_ints(self, values: list[int], *, device, stage: str) -> list[tuple]:
         """A few integers from every rank: [(rank 0's), (rank 1's), ...]."""

@@ -14,6 +14,7 @@ mode 'auto' on an intra-node GPU group, in this order:
     reference  everything else (CPU tensors, groups without the fast path): the quantized
                algorithm over torch.distributed
 
+Reduce-scatter and all-gather calls (route_half) all go to the reference for now.
 Mode 'p2p' sends every call the kernels can take to p2p (the rest to the reference); mode
 'reference' sends all to the reference. A p2p route also fixes the kernel form ('fused': one
 kernel; 'staged': entry, reduce, tail), the tile shape and the reduce/tail overlap.
@@ -141,6 +142,20 @@ def route(call: Call, mode: str = "auto", available: dict[str, str | None] | Non
     if call.nbytes < gate:
         return Route("plain", f"below the p2p crossover {_mib(gate)} ({src})")
     return p2p_route(call, tables, f">= the p2p crossover {_mib(gate)} ({src})")
+
+
+HALVES = ("reduce_scatter", "all_gather")
+
+
+def route_half(kind: str) -> Route:
+    """The backend of a reduce-scatter or all-gather call (sequence parallelism): the reference
+    algorithm (collective/sharded.py) over the group's transport, in every mode and at every
+    size; no fused kernel runs the halves yet. At bits=16 that is the transport's own plain
+    collective (NCCL's reduce-scatter / all-gather on GPUs)."""
+    if kind not in HALVES:
+        raise ValueError(f"kind must be one of {HALVES}, got {kind!r}")
+    return Route("reference", f"{kind.replace('_', '-')}: no fused kernel for the halves yet, "
+                              "so the reference algorithm over the group's transport")
 
 
 def p2p_route(call: Call, tables: tuning.Tables, reason: str, *, form: str | None = None,

@@ -53,6 +53,20 @@ class SimTransport:
         out[1:].copy_(out[0].expand_as(out[1:]))
         return out
 
+    def sum_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        # x [P(sender), P*m] -> [P(owner), m]: chunk j of every sender summed in fp32 in rank
+        # order (as all_sum), cast back to x's dtype
+        P = self.world_size
+        chunks = x.reshape(P, P, -1)                   # [sender, owner, m]
+        acc = chunks[0].to(torch.float32, copy=True)
+        for r in range(1, P):
+            acc.add_(chunks[r])
+        return acc.to(x.dtype)
+
+    def gather_cat(self, x: torch.Tensor) -> torch.Tensor:
+        # x [P(owner), m] -> every virtual rank receives all owners' chunks: [P, P*m]
+        return x.reshape(1, -1).expand(self.world_size, -1).clone()
+
 
 class FusedSimBackend:
     """Simulated calls on a GPU through the fused p2p kernels (kernels/simulated_fused.py: the
@@ -60,7 +74,8 @@ class FusedSimBackend:
     the reference: tests/test_p2p_gpu.py), with the tile shape the routing policy picks for a
     real group of this size. Everything else goes to `reference` (a TransportBackend over
     SimTransport, the same bits): CPU tensors, bits=16, telemetry (the kernels leave no
-    StepRecord) and calls the kernels do not take (kernels.allreduce_plan.supported)."""
+    StepRecord), calls the kernels do not take (kernels.allreduce_plan.supported), and the
+    reduce-scatter and all-gather halves (no kernels for them yet)."""
 
     name = "simulated-fused"
 
@@ -82,6 +97,12 @@ class FusedSimBackend:
             return self.reference.run(x, cfg, state=state, backward=backward, record=record,
                                       inplace=inplace)
         return self._sim(x, cfg)(x, cfg, state=state, backward=backward), None
+
+    def reduce_scatter(self, x, cfg, *, state, backward):
+        return self.reference.reduce_scatter(x, cfg, state=state, backward=backward)
+
+    def all_gather(self, x, cfg, *, state, backward):
+        return self.reference.all_gather(x, cfg, state=state, backward=backward)
 
     def _sim(self, x: torch.Tensor, cfg):
         from ..kernels.simulated_fused import SimulatedFused

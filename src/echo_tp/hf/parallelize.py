@@ -39,12 +39,16 @@ from .plan import head_layout, hf_plan
 
 
 def parallelize_hf(model: nn.Module, comm, rank: int | None = None, *, policy=None,
-                   plan: dict[str, str] | None = None) -> nn.Module:
+                   plan: dict[str, str] | None = None,
+                   sequence_parallel: bool = False) -> nn.Module:
     """Shard a transformers causal LM in place for `rank` of comm's group (all P virtual ranks
     when comm is a SimulatedCommunicator); see the module docstring.
 
     policy: as tp.parallelize (None, 'early8', {site: bits}, ...); site 2l / 2l+1 are layer l's
-    attention / MLP. plan: transformers-style {key: style} replacing the config's plan."""
+    attention / MLP. plan: transformers-style {key: style} replacing the config's plan.
+    sequence_parallel: as tp.parallelize (tp/sequence.py): the decoder layers' residual stream
+    sharded over the sequence, the first layer's input scattered and the final norm's output
+    gathered (for training and scoring whole sequences: no KV-cache decoding)."""
     table = hf_plan(model, plan)
     base = getattr(model, "base_model", None)
     layers = getattr(base, "layers", None)
@@ -52,7 +56,8 @@ def parallelize_hf(model: nn.Module, comm, rank: int | None = None, *, policy=No
         raise ValueError(f"{type(model).__name__} has no decoder layers at base_model.layers: "
                          "echo-tp parallelizes decoder-only transformers causal LMs")
     return parallelize(model, comm, rank, policy=policy, plan=table, layout=head_layout(model),
-                       n_layers=len(layers), pass_root=base, split_cache=split_cache)
+                       n_layers=len(layers), pass_root=base, split_cache=split_cache,
+                       sequence_parallel=sequence_parallel)
 
 
 def split_cache(cache, n_shards: int, shard: nn.Module) -> list:

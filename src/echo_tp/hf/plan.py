@@ -124,8 +124,11 @@ def hf_plan(model: nn.Module, plan: dict[str, str] | None = None) -> dict[str, o
     bad = {k: v for k, v in full.items() if v not in SUPPORTED}
     if bad:
         key, style = next(iter(bad.items()))
+        hint = (" (echo-tp runs sequence parallelism for the whole model: parallelize_hf(model, "
+                "comm, sequence_parallel=True) with the plain plan)"
+                if style == "sequence_parallel" else "")
         raise ValueError(f"{type(model).__name__}: TP style {style!r} (at {key!r}) is not "
-                         f"supported by echo-tp; supported styles: {SUPPORTED}")
+                         f"supported by echo-tp{hint}; supported styles: {SUPPORTED}")
     table: dict[str, object] = {}
     split: dict[str, list] = {}  # experts module pattern -> [(param, dim, unit)]
     blocks: dict[str, int] = {}

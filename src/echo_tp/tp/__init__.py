@@ -3,6 +3,7 @@
     plan.py         TP_PLAN: module path pattern -> Colwise / Rowwise / BlockInput / ...
     sites.py        autograd sites: forward all-reduce "g", backward all-reduce "f", pass marks
     parallelize.py  parallelize(model, comm[, rank]): real rank or P simulated virtual ranks
+    sequence.py     sequence parallelism (parallelize(..., sequence_parallel=True))
     blocks.py       how a block's input, extra outputs and head attributes are found
     policy.py       per-site bit policies; comm spec strings ('echo4:eta=0.9,quantizer=naive')
     grads.py        partial-gradient sync, global grad norm / clipping, gathering whole weights

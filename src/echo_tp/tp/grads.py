@@ -1,7 +1,8 @@
 """What training needs beyond the sites: partial gradients, the global grad norm, whole weights.
 
 - `sync_partial_grads(model)`: parameters kept whole on several ranks but used on each rank's own
-  heads only (Qwen3 q_norm/k_norm; k/v rows of replicated kv heads) get rank-partial gradients.
+  heads only (Qwen3 q_norm/k_norm; k/v rows of replicated kv heads), or under sequence
+  parallelism on its own positions only (norms, row-parallel biases), get rank-partial gradients.
   They are summed over their replica group IN RANK ORDER (an all-gather on real ranks, a loop in
   simulation), so the result is bit-identical between the two and identical on every replica.
   Call it once after the backward passes of a step (it is linear, so once per accumulated step).
@@ -39,7 +40,8 @@ def _grad(p: nn.Parameter) -> torch.Tensor:
 def sync_partial_grads(model: nn.Module) -> None:
     """Sum rank-partial gradients over their replica groups (see the module docstring)."""
     tp = _context(model)
-    names = sorted(tp.partial)
+    # sequence-parallel partials: simulated, their backward summed them already (tp/sequence.py)
+    names = sorted(tp.partial if tp.simulated else tp.partial | tp.sequence_partial)
     if not names:
         return
     if tp.simulated:

@@ -17,6 +17,11 @@ for bit at bits 4 and 8 (at 16 bits the simulated sum is fp32 in rank order; glo
 another order). Shard i's parameters are named `<block>.shards.<i>.<name>`; tp.rank_parameters
 maps them back to the real names.
 
+sequence_parallel=True (tp/sequence.py): between blocks the residual stream is sharded over
+the sequence; each block input is all-gathered and each row-parallel output reduce-scattered
+through the communicator (the boundaries are then a local add + RMSNorm, not fused with a
+collective).
+
 Models built elsewhere (transformers' own modules, echo_tp.hf) go through the same function with
 their plan, a `HeadLayout`, their layer count and the module whose forward is one pass
 (`pass_root`). Block inputs may come positionally or as `hidden_states=`; a block may return a
@@ -34,14 +39,15 @@ from torch import nn
 
 from echo_tp.models.transformer import LayerKVCache, Transformer
 
+from . import sequence
 from .blocks import block_input as _block_input
 from .blocks import join_heads as _join_heads
 from .blocks import set_local_heads as _set_local_heads
 from .plan import (TP_PLAN, BlockInput, Colwise, PartialGradReplicate, Rowwise, SplitParams,
                    match_plan, replica_groups, site_index, unit_rows)
 from .policy import make_policy
-from .sites import (BackwardPassStart, CopyToTP, ReduceAddNorm, ReduceFromTP, SimCopy, SimReduce,
-                    Site, TPContext)
+from .sites import (AllGather, BackwardPassStart, CopyToTP, ReduceAddNorm, ReduceFromTP,
+                    ReduceScatter, SimAllGather, SimCopy, SimReduce, Site, TPContext)
 
 
 class RowwiseLinear(nn.Module):
@@ -61,7 +67,10 @@ class RowwiseLinear(nn.Module):
         partial = F.linear(x, self.weight)  # [..., out], this rank's share of the sum
         if self.site is None or self.partial_out:
             return partial
-        y = ReduceFromTP.apply(partial, self.site)
+        if self.site.tp.sequence_parallel:     # [B, T/P, out]: this rank's shard of the sum
+            y = ReduceScatter.apply(partial, self.site)
+        else:
+            y = ReduceFromTP.apply(partial, self.site)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
@@ -89,7 +98,8 @@ class SimTPBlock(nn.Module):
         """x [B, T, dim] (same on every virtual rank; first positional or `hidden_states=`)
         -> the block output [B, T, dim] (or the block's tuple with its output first)."""
         x, put = _block_input(args, kwargs)
-        xs = SimCopy.apply(x, self.site)
+        sp = self.site.tp.sequence_parallel   # x: the P sequence shards side by side
+        xs = (SimAllGather if sp else SimCopy).apply(x, self.site)
         cache_key = next((k for k in _CACHE_KWARGS if kwargs.get(k) is not None), None)
         subs = None if cache_key is None else self._sub_caches(kwargs[cache_key])
         outs = []  # P block outputs (tensors or tuples)
@@ -102,8 +112,12 @@ class SimTPBlock(nn.Module):
         partials = [o[0] if tup else o for o in outs]  # P x [B, T, dim]
         if self.partial_out and not tup:
             return torch.stack(partials)
-        y = SimReduce.apply(torch.stack(partials), self.site)
-        y = y if self.bias is None else y + self.bias
+        if sp:                                # the P shards of the sum, side by side
+            y = ReduceScatter.apply(torch.stack(partials), self.site)
+            y = y if self.bias is None else sequence.add_bias(self.site, y, self.bias)
+        else:
+            y = SimReduce.apply(torch.stack(partials), self.site)
+            y = y if self.bias is None else y + self.bias
         if not tup:
             return y
         return (y, *(_join_heads([o[i] for o in outs]) for i in range(1, len(outs[0]))))
@@ -125,12 +139,16 @@ def _split_layer_cache(cache: LayerKVCache, n_shards: int, shard: nn.Module):
 
 def parallelize(model: Transformer, comm, rank: int | None = None, *, policy=None,
                 plan: dict | None = None, layout=None, n_layers: int | None = None,
-                pass_root: nn.Module | None = None, split_cache=None) -> Transformer:
+                pass_root: nn.Module | None = None, split_cache=None,
+                sequence_parallel: bool = False) -> Transformer:
     """Shard `model` in place for `rank` of comm's group (or for all P virtual ranks when comm is
     a SimulatedCommunicator) and route its TP sites through comm with bits=policy(site).
 
     policy: None (the config's bits), a preset name ('uniform4', 'uniform8', '16', 'early8'),
     a {site: bits} table, a per-site list or a callable (tp.policy.make_policy).
+    sequence_parallel: the residual stream between blocks sharded over the sequence, each
+    all-reduce a reduce-scatter and an all-gather through comm (tp/sequence.py; the sequence
+    length must be divisible by P; a group of one runs as without it).
     Models other than `Transformer` name their `plan`, head `layout` (plan.HeadLayout),
     `n_layers`, `pass_root` (the module whose forward is one pass; default model) and, for
     simulated KV caches, `split_cache` (see SimTPBlock)."""
@@ -149,7 +167,8 @@ def parallelize(model: Transformer, comm, rank: int | None = None, *, policy=Non
         if not 0 <= rank < P:
             raise ValueError(f"rank {rank} is outside the TP group of {P}")
     tp = TPContext(comm=comm, policy=make_policy(policy, n_layers), world_size=P,
-                   n_layers=n_layers, rank=None if simulated else rank, cfg=cfg)
+                   n_layers=n_layers, rank=None if simulated else rank, cfg=cfg,
+                   sequence_parallel=bool(sequence_parallel) and P > 1)
     blocks = [(n, m, s) for n, m in model.named_modules()
               if isinstance(s := match_plan(plan, n), BlockInput)]
     if simulated:
@@ -175,7 +194,10 @@ def parallelize(model: Transformer, comm, rank: int | None = None, *, policy=Non
         if orphans:
             raise ValueError(f"row-parallel modules outside any BlockInput entry of the plan: "
                              f"{orphans}; their partial outputs would never be summed")
-    if isinstance(model, Transformer) and plan is TP_PLAN and P > 1:
+    if tp.sequence_parallel:
+        sequence.enable(model, tp, pass_root, [model.get_submodule(n) for n, _, _ in blocks],
+                        list(rank_parameters(model, 0 if simulated else None, tp)))
+    elif isinstance(model, Transformer) and plan is TP_PLAN and P > 1:
         _fuse_boundaries(model, simulated)
     _record_replicas(tp, model)
     model.echo_tp = tp
@@ -234,18 +256,25 @@ def _context(model) -> TPContext:
 
 
 def _copy_hook(site: Site):
+    """The block input: copied to the TP region (f), or under sequence parallelism the shards
+    all-gathered."""
+    f = AllGather if site.tp.sequence_parallel else CopyToTP
+
     def hook(module, args, kwargs):
         x, put = _block_input(args, kwargs)
-        return put(CopyToTP.apply(x, site))
+        return put(f.apply(x, site))
     return hook
 
 
 def _reduce_hook(site: Site):
-    """Real rank, a block of SplitParams experts: all-reduce the block output (its first item)."""
+    """Real rank, a block of SplitParams experts: all-reduce (SP: reduce-scatter) the block
+    output (its first item)."""
+    f = ReduceScatter if site.tp.sequence_parallel else ReduceFromTP
+
     def hook(module, args, out):
         if isinstance(out, tuple):
-            return (ReduceFromTP.apply(out[0], site), *out[1:])
-        return ReduceFromTP.apply(out, site)
+            return (f.apply(out[0], site), *out[1:])
+        return f.apply(out, site)
     return hook
 
 

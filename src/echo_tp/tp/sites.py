@@ -14,6 +14,20 @@ its output goes through `BackwardPassStart`, whose backward runs first in the ba
 calls comm.new_pass('backward'). So both directions' compensator state and site counters reset
 once per pass, and the two directions never share state.
 
+Sequence parallelism (Megatron's SP): between blocks the residual stream is sharded over the
+sequence dim (SEQ_DIM), each rank holding its T/P positions. The block's f site becomes
+`AllGather` (forward: the shards all-gathered into the block's whole input; backward: its
+input gradient reduce-scattered) and its g site `ReduceScatter` (forward: the partial output
+reduce-scattered into this rank's shard of the sum; backward: the shard's gradient
+all-gathered). Outside the blocks: `ScatterToSequence` after the embedding (forward: keep this
+rank's shard of a replicated tensor, no communication; backward: the shards' gradients
+all-gathered, since the replicated tensor before it needs the whole gradient) and
+`GatherFromSequence` before a replicated head (forward: all-gather; backward: keep this rank's
+shard of the replicated gradient). Every one of them goes through the communicator at the
+site's bits; the reduce-scatters compensated, the all-gathers not (tp/sequence.py says why).
+Simulated, a sequence-sharded tensor is held as the P shards side by side: one [B, T, ...]
+tensor whose chunk i along SEQ_DIM is virtual rank i's shard.
+
 Simulated (P virtual ranks in one process): `SimCopy` hands each virtual shard its own view of
 the block input and all-reduces the P input gradients as [P, ...]; `SimReduce` sums the P partial
 outputs given as a [P, ...] stack. The communicator's backward direction applies the power-of-two
@@ -26,6 +40,10 @@ from dataclasses import dataclass, field
 import torch
 
 from echo_tp.models.config import ModelConfig
+
+
+SEQ_DIM = 1
+"""The sequence dim of the activations between blocks ([B, T, hidden])."""
 
 
 @dataclass
@@ -47,6 +65,11 @@ class TPContext:
     """real parameter names whose per-rank gradient is a partial sum over its replica group."""
     sim_names: dict = field(default_factory=dict)
     """simulated only: (rank, real name) -> name in the simulated model."""
+    sequence_parallel: bool = False
+    """The residual stream between blocks is sharded over the sequence (tp/sequence.py)."""
+    sequence_partial: set = field(default_factory=set)
+    """sequence_parallel: real names of replicated parameters used on the sequence shards
+    (norms, row-parallel biases): each rank's gradient covers its positions only."""
 
     @property
     def simulated(self) -> bool:
@@ -62,6 +85,8 @@ class Site:
 
     tp: TPContext
     index: int
+    dim: int = SEQ_DIM
+    """The sequence dim the SP halves split (tp/styles.py: the layout's Shard dim)."""
 
     def forward_reduce(self, partial: torch.Tensor) -> torch.Tensor:
         # the partial (a row-parallel matmul output) is dead after the sum: outside autograd a
@@ -80,6 +105,47 @@ class Site:
 
     def backward_reduce(self, grad: torch.Tensor) -> torch.Tensor:
         return self.tp.comm.all_reduce(grad, direction="backward", bits=self.tp.bits(self.index))
+
+    # ----- sequence parallelism: the halves, along `dim` (simulated: the shards side by side)
+    @property
+    def virtual(self) -> bool:
+        """The communicator is simulated: tensors hold every virtual rank."""
+        return bool(getattr(self.tp.comm, "simulated", False))
+
+    def reduce_scatter(self, partial: torch.Tensor, direction: str) -> torch.Tensor:
+        """Real: partial [B, T, ...] -> this rank's shard of the sum [B, T/P, ...]. Simulated:
+        the P partials [P, B, T, ...] -> the P shards side by side [B, T, ...]."""
+        y = self.tp.comm.reduce_scatter(partial, dim=self.dim, direction=direction,
+                                        bits=self.tp.bits(self.index))
+        return torch.cat(y.unbind(0), dim=self.dim) if self.virtual else y
+
+    def all_gather(self, x: torch.Tensor, direction: str) -> torch.Tensor:
+        """Real: this rank's shard [B, T/P, ...] -> [B, T, ...]. Simulated: the shards side by
+        side [B, T, ...] -> what every rank gathers [B, T, ...] (the same on every rank)."""
+        if self.virtual:
+            x = torch.stack(self.split(x))
+        # uncompensated: the gathered input feeds a block, it is not summed into the stream,
+        # so a fed-back error would be added to the next block's input instead of cancelled
+        y = self.tp.comm.all_gather(x, dim=self.dim, direction=direction,
+                                    bits=self.tp.bits(self.index), compensate=False)
+        return y[0].clone() if self.virtual else y
+
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [B, T, ...] -> the P shards [B, T/P, ...] along dim (ValueError unless T splits)."""
+        P, T = self.tp.world_size, x.shape[self.dim]
+        if T % P:
+            raise ValueError(f"sequence parallelism splits the sequence over the TP group: "
+                             f"length {T} is not divisible by P={P}. Pad the batch to a "
+                             f"multiple of {P} positions (decoding one token at a time cannot "
+                             "run sequence-parallel: generate with a model parallelized "
+                             "without sequence_parallel)")
+        return x.chunk(P, dim=self.dim)
+
+    def own_shard(self, x: torch.Tensor) -> torch.Tensor:
+        """Real: this rank's shard of a replicated [B, T, ...]; simulated: x itself (the
+        shards side by side are the whole tensor)."""
+        parts = self.split(x)
+        return x.view_as(x) if self.virtual else parts[self.tp.rank].contiguous()
 
 
 class CopyToTP(torch.autograd.Function):
@@ -123,17 +189,7 @@ class ReduceAddNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dnormed, drout):
         rout, weight = ctx.saved_tensors
-        if dnormed is None:
-            dnormed = torch.zeros_like(rout, dtype=torch.promote_types(weight.dtype, rout.dtype))
-        with torch.enable_grad():
-            r = rout.detach().requires_grad_()
-            w = weight.detach().requires_grad_(weight.requires_grad)
-            rf = r.float()
-            normed = w * (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + ctx.eps)).to(r.dtype)
-            want = (r, w) if w.requires_grad else (r,)
-            grads = torch.autograd.grad(normed, want, dnormed, allow_unused=True)
-        dr = grads[0] if drout is None else grads[0] + drout
-        dw = grads[1] if w.requires_grad else None
+        dr, dw = _add_norm_backward(rout, weight, ctx.eps, dnormed, drout)
         dpartial = dr if len(ctx.shape) == dr.dim() else dr.unsqueeze(0).expand(ctx.shape)
         return dpartial, dr, dw, None, None
 
@@ -166,6 +222,131 @@ class SimReduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad.unsqueeze(0).expand(ctx.world_size, *grad.shape), None
+
+
+class ReduceScatter(torch.autograd.Function):
+    """SP g: the partial output reduce-scattered over the sequence (forward site); backward:
+    the shard's gradient all-gathered (backward site). Simulated: [P, B, T, ...] partials in,
+    the shards side by side [B, T, ...] out, every partial's gradient the gathered one."""
+
+    @staticmethod
+    def forward(ctx, partial: torch.Tensor, site: Site) -> torch.Tensor:
+        ctx.site, ctx.shape = site, partial.shape
+        return site.reduce_scatter(partial, "forward")
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        g = ctx.site.all_gather(grad.contiguous(), "backward")
+        return (g.unsqueeze(0).expand(ctx.shape) if ctx.site.virtual else g), None
+
+
+class AllGather(torch.autograd.Function):
+    """SP f: the shards all-gathered into the block input (forward site); backward: the input
+    gradient reduce-scattered over the sequence (backward site)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, site: Site) -> torch.Tensor:
+        ctx.site = site
+        return site.all_gather(x, "forward")
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.site.reduce_scatter(grad.contiguous(), "backward"), None
+
+
+class SimAllGather(torch.autograd.Function):
+    """Simulated SP f: the shards side by side [B, T, ...] -> P views of what every rank
+    gathers; backward reduce-scatters the stack of the P shards' input gradients."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, site: Site):
+        ctx.site = site
+        y = site.all_gather(x, "forward")
+        return tuple(y.view_as(y) for _ in range(site.tp.world_size))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ref = next(g for g in grads if g is not None)
+        stacked = torch.stack([torch.zeros_like(ref) if g is None else g for g in grads])
+        return ctx.site.reduce_scatter(stacked, "backward"), None
+
+
+class ScatterToSequence(torch.autograd.Function):
+    """A replicated tensor (the embedding output) -> this rank's sequence shard, no
+    communication; backward: the shards' gradients all-gathered (backward site)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, site: Site) -> torch.Tensor:
+        ctx.site = site
+        return site.own_shard(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.site.all_gather(grad.contiguous(), "backward"), None
+
+
+class GatherFromSequence(torch.autograd.Function):
+    """The sequence shards -> the whole tensor, for a replicated module after it (the head):
+    all-gather (forward site); backward: this rank's shard of the (replicated) gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, site: Site) -> torch.Tensor:
+        ctx.site = site
+        return site.all_gather(x, "forward")
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.site.own_shard(grad), None
+
+
+class AddNorm(torch.autograd.Function):
+    """The SP block boundary after the reduce-scatter, on this rank's shard: (normed,
+    residual_out) = echo_tp.norm.add_rmsnorm(y, residual, weight, eps) (one kernel pass on
+    CUDA); backward as ReduceAddNorm's. Simulated (the shards side by side) the backward runs
+    shard by shard, the weight's gradients summed in rank order (tp/sequence.py)."""
+
+    @staticmethod
+    def forward(ctx, y, residual, weight, eps: float, site: Site):
+        from echo_tp.norm import add_rmsnorm
+        normed, rout = add_rmsnorm(y, residual, weight, eps)
+        ctx.save_for_backward(rout, weight)
+        ctx.eps, ctx.site = eps, site
+        return normed, rout
+
+    @staticmethod
+    def backward(ctx, dnormed, drout):
+        rout, weight = ctx.saved_tensors
+        if not ctx.site.virtual:
+            dr, dw = _add_norm_backward(rout, weight, ctx.eps, dnormed, drout)
+            return dr, dr, dw, None, None
+        split = ctx.site.split
+        parts = [split(t) if t is not None else (None,) * ctx.site.tp.world_size
+                 for t in (rout, dnormed, drout)]
+        drs, dw = [], None
+        for r, dn, dro in zip(*parts):
+            dr_r, dw_r = _add_norm_backward(r.contiguous(), weight, ctx.eps,
+                                            None if dn is None else dn.contiguous(),
+                                            None if dro is None else dro.contiguous())
+            drs.append(dr_r)
+            dw = dw_r if dw is None else dw + dw_r          # rank order, as the sync sums
+        dr = torch.cat(drs, dim=ctx.site.dim)
+        return dr, dr, dw, None, None
+
+
+def _add_norm_backward(rout, weight, eps, dnormed, drout):
+    """The gradients of residual_out and of the weight of (RMSNorm(r) * weight, r), r =
+    residual_out (the models' RMSNorm formula, by autograd)."""
+    if dnormed is None:
+        dnormed = torch.zeros_like(rout, dtype=torch.promote_types(weight.dtype, rout.dtype))
+    with torch.enable_grad():
+        r = rout.detach().requires_grad_()
+        w = weight.detach().requires_grad_(weight.requires_grad)
+        rf = r.float()
+        normed = w * (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps)).to(r.dtype)
+        want = (r, w) if w.requires_grad else (r,)
+        grads = torch.autograd.grad(normed, want, dnormed, allow_unused=True)
+    dr = grads[0] if drout is None else grads[0] + drout
+    return dr, (grads[1] if w.requires_grad else None)
 
 
 class BackwardPassStart(torch.autograd.Function):
