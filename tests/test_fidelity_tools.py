@@ -194,3 +194,19 @@ def test_eval_reports_gap_intervals_last_word_and_telemetry_policy(tmp_path):
     with pytest.raises(ValueError, match="rotation"):
         eval_main(model=str(tmp_path / "hf"), data=str(tmp_path / "val.bin"), comms=["16"],
                   simulate=2, rotate=0, impl="transformers")
+
+
+def test_eval_sequence_parallel(tmp_path):
+    """eval --sequence-parallel: the 16-bit SP model scores the windows as the non-SP one
+    (fp32), and quantized SP configs run; windows must fill P shards (BOS + context)."""
+    g = torch.Generator().manual_seed(1)
+    write_tokens(torch.randint(1, 256, (700,), generator=g).numpy().astype("uint16"),
+                 tmp_path / "val.bin", vocab_size=256, meta={"eos_id": 0})
+    kw = dict(model="tiny-qwen3", data=str(tmp_path / "val.bin"), context=63, batch_size=4,
+              max_windows=8, simulate=2, progress=False, bos=True)
+    plain = eval_main(comms=["16", "echo4"], **kw)
+    sp = eval_main(comms=["16", "4", "echo4"], sequence_parallel=True, **kw)
+    assert sp[0]["ppl"] == pytest.approx(plain[0]["ppl"], rel=1e-5)
+    assert all(math.isfinite(r["ppl"]) for r in sp)
+    with pytest.raises(ValueError, match="divisible"):
+        eval_main(comms=["16"], sequence_parallel=True, **{**kw, "context": 64})

@@ -89,6 +89,8 @@ def _eval(sub):
     p.add_argument("--calibration-windows", type=int, default=8)
     p.add_argument("--rotate", type=int, default=None, metavar="SEED", help="fold a hidden-size "
                    "rotation (Hadamard x random signs of this seed) into the weights first")
+    p.add_argument("--sequence-parallel", action="store_true", help="the project's Transformer "
+                   "sequence-parallel: a reduce-scatter and an all-gather at each block boundary")
     p.add_argument("--out", default=None, help="JSON results file (with per-window NLLs)")
     p.add_argument("--no-progress", action="store_true")
     _tp_mode(p)
@@ -101,7 +103,8 @@ def _eval(sub):
              tokenizer=a.tokenizer, out=a.out, progress=not a.no_progress,
              impl=a.model_impl, bos=a.bos or a.bos_id is not None, bos_id=a.bos_id,
              last_word=a.last_word, calibration_data=a.calibration_data,
-             calibration_windows=a.calibration_windows, rotate=a.rotate)
+             calibration_windows=a.calibration_windows, rotate=a.rotate,
+             sequence_parallel=a.sequence_parallel)
     p.set_defaults(func=run)
 
 

@@ -85,6 +85,9 @@ class EvalOptions:
     """Windows of that pass (from the start of the calibration data)."""
     rotate: int | None = None
     """Fold a hidden-size rotation of this seed into the weights first (models/rotate.py)."""
+    sequence_parallel: bool = False
+    """The project's Transformer sequence-parallel (tp/sequence.py): a reduce-scatter and an
+    all-gather at each block boundary instead of the all-reduce."""
 
 
 IMPLS = ("auto", "echo", "transformers")
@@ -263,7 +266,8 @@ def _rank_eval(rank: int | None, world_size: int, opts: EvalOptions) -> list[dic
         else:
             comm = make_comm(rank, world_size, spec.config)
         if i == 0 and not hf and not extra:
-            parallelize(model, comm, rank, policy=policy)
+            parallelize(model, comm, rank, policy=policy,
+                        sequence_parallel=opts.sequence_parallel)
         elif i > 0 or extra:
             set_comm(model, comm, policy=policy)
         if bar is not None:
@@ -300,7 +304,7 @@ def _calibrate(forward, model, rank, world_size, spec, calib, opts, device, *, f
     score, budget = telemetry_budget(spec.policy)
     comm = make_comm(rank, world_size, spec.config, telemetry=True)
     if first_use:
-        parallelize(model, comm, rank)
+        parallelize(model, comm, rank, sequence_parallel=opts.sequence_parallel)
     else:
         set_comm(model, comm)
     tokens, windows = calib
@@ -410,7 +414,7 @@ def main(*, model: str, data: str, comms: list[str], context: int = 1024,
          out: str | None = None, progress: bool = True, impl: str = "auto", bos: bool = False,
          bos_id: int | None = None, last_word: bool = False,
          calibration_data: str | None = None, calibration_windows: int = 8,
-         rotate: int | None = None) -> list[dict]:
+         rotate: int | None = None, sequence_parallel: bool = False) -> list[dict]:
     """Perplexity of `model` on `data` under every comm config; prints a table (rank 0), writes
     JSON to `out` when given, returns the result rows (rank 0's; every rank computes the same).
     bos=True: BOS-started windows (bos_id, default: see the module doc)."""
@@ -424,6 +428,9 @@ def main(*, model: str, data: str, comms: list[str], context: int = 1024,
         raise ValueError("bos_id needs bos=True")
     if bos and bos_id is None:
         bos_id = data_bos_id(data, model_spec=model, tokenizer=tokenizer)
+    if sequence_parallel and which != "echo":
+        raise ValueError("sequence_parallel: eval runs the project's own Transformer "
+                         "sequence-parallel (model impl 'echo')")
     if rotate is not None and which != "echo":
         raise ValueError("rotate: the hidden-size rotation is folded into the project's own "
                          "Transformer only (model impl 'echo')")
@@ -434,7 +441,8 @@ def main(*, model: str, data: str, comms: list[str], context: int = 1024,
                        dtype=dtype, device=device, tokenizer=tokenizer, impl=which,
                        bos_id=bos_id, progress=progress, last_word=last_word,
                        calibration_data=calibration_data,
-                       calibration_windows=calibration_windows, rotate=rotate)
+                       calibration_windows=calibration_windows, rotate=rotate,
+                       sequence_parallel=sequence_parallel)
     run = launch(_rank_eval, opts, simulate=simulate, world_size=world_size)
     results = run.result
     if run.is_main:
@@ -448,7 +456,8 @@ def main(*, model: str, data: str, comms: list[str], context: int = 1024,
         if out:
             record = {"model": model, "impl": which, "data": data, "world_size": P, "mode": mode,
                       "context": context, "stride": stride or context, "bos_id": bos_id,
-                      "dtype": dtype, "seed": seed, "rotate": rotate, "results": results}
+                      "dtype": dtype, "seed": seed, "rotate": rotate,
+                      "sequence_parallel": sequence_parallel, "results": results}
             Path(out).parent.mkdir(parents=True, exist_ok=True)
             Path(out).write_text(json.dumps(record, indent=2) + "\n")
     return results
