@@ -210,3 +210,5 @@ def test_eval_sequence_parallel(tmp_path):
     assert all(math.isfinite(r["ppl"]) for r in sp)
     with pytest.raises(ValueError, match="divisible"):
         eval_main(comms=["16"], sequence_parallel=True, **{**kw, "context": 64})
+    with pytest.raises(ValueError, match="names no tokenizer"):   # no tokenizer to read words
+        eval_main(comms=["16"], last_word=True, **kw)

@@ -371,7 +371,11 @@ def _policy_wire_bits(spec, n_layers: int) -> float:
 def _data_tokenizer(opts: EvalOptions) -> str | None:
     """The tokenizer of the eval data: a token file's sidecar name, else as for text."""
     if Path(opts.data).suffix == ".bin":
-        return token_file_info(opts.data).get("tokenizer") or opts.tokenizer
+        name = token_file_info(opts.data).get("tokenizer") or opts.tokenizer
+        if name is None:
+            raise ValueError(f"last_word: {opts.data}'s sidecar names no tokenizer (the words "
+                             "are read from its token strings); pass --tokenizer")
+        return name
     return _text_tokenizer_dir(opts.model, opts.tokenizer)
 
 
@@ -443,6 +447,8 @@ def main(*, model: str, data: str, comms: list[str], context: int = 1024,
                        calibration_data=calibration_data,
                        calibration_windows=calibration_windows, rotate=rotate,
                        sequence_parallel=sequence_parallel)
+    if last_word:
+        _data_tokenizer(opts)   # fail before the evaluation if no tokenizer can be named
     run = launch(_rank_eval, opts, simulate=simulate, world_size=world_size)
     results = run.result
     if run.is_main:
