@@ -8,3 +8,12 @@ record_env() {
   nvidia-smi --query-gpu=name,memory.total --format=csv > "$1/gpus.txt"
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)" > "$1/versions.txt"
 }
+
+# archive_results NAME: at most 8 files come back from a device call, so a script works in
+# /tmp/NAME-work (its $OUT from here on) and `pack` rewrites $FINAL/NAME.tgz after every step
+# (a call cut short still returns what it finished); FINAL is the caller's $OUT.
+archive_results() {
+  FINAL=${OUT:-/tmp/$1-out}; OUT=/tmp/$1-work; ARCHIVE="$FINAL/$1.tgz"
+  rm -rf "$OUT"; mkdir -p "$OUT" "$FINAL"
+}
+pack() { tar -czf "$ARCHIVE" -C "$OUT" .; }

@@ -8,10 +8,7 @@
 # Each eval writes its own JSON; evals past the deadline are skipped (and say so).
 set -uo pipefail
 source studies/device_env.sh
-# at most 8 files come back from a device call: the results go into one archive, rewritten
-# after every step (a call cut short still returns what it finished)
-FINAL=${OUT:-/tmp/fidelity-out}; OUT=/tmp/fidelity-work; rm -rf "$OUT"; mkdir -p "$OUT" "$FINAL"
-pack() { tar -czf "$FINAL/fidelity.tgz" -C "$OUT" .; }
+archive_results fidelity     # results in $FINAL/fidelity.tgz (device_env.sh)
 record_env "$OUT"
 D=.work/data
 CK=$(ls -d .work/testbed/checkpoints/step-* | sort -t- -k2 -n | tail -1)

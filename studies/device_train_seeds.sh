@@ -7,10 +7,7 @@
 # Carry .work/data/gut108.{bin,json,val.bin,val.json}.
 set -uo pipefail
 source studies/device_env.sh
-# at most 8 files come back from a device call: the results go into one archive, rewritten
-# after every step (a call cut short still returns what it finished)
-FINAL=${OUT:-/tmp/seeds-out}; OUT=/tmp/seeds-work; rm -rf "$OUT"; mkdir -p "$OUT" "$FINAL"
-pack() { tar -czf "$FINAL/seeds.tgz" -C "$OUT" .; }
+archive_results seeds     # results in $FINAL/seeds.tgz (device_env.sh)
 record_env "$OUT"
 D=.work/data
 COMMON="--model ${MODEL:-studies/testbed/model.json} --train-data $D/gut108.bin --val-data $D/gut108.val.bin

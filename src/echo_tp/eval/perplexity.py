@@ -47,7 +47,8 @@ from echo_tp.models import (ModelConfig, build_meta_model, build_tokenizer, init
 from echo_tp.models.tokenize import (DEFAULT_EOS, resolve_tokenizer_dir, separator_id,
                                      token_file_info)
 from echo_tp.tp import parallelize, parse_comm_specs, set_comm
-from echo_tp.tp.policy import average_wire_bits, telemetry_budget, telemetry_policy
+from echo_tp.tp.policy import (average_wire_bits, make_policy, telemetry_budget,
+                               telemetry_policy, wire_bits_per_value)
 from echo_tp.tp.runtime import launch, make_comm, rank_device
 
 from .lastword import target_spans, token_classes, word_hits
@@ -362,7 +363,6 @@ def _add_statistics(results, scores, tokens, windows, opts: EvalOptions, n_layer
 
 def _policy_wire_bits(spec, n_layers: int) -> float:
     """Average wire bits per value of a preset policy (every site the same size)."""
-    from echo_tp.tp.policy import make_policy, wire_bits_per_value
     fn = make_policy(spec.policy, n_layers)
     bits = [wire_bits_per_value(spec.config, fn(s)) for s in range(2 * n_layers)]
     return sum(bits) / len(bits)
