@@ -432,3 +432,37 @@ def test_sequence_parallel_sites_and_errors():
         model.generate(sp_batch()[0][:, :4], 2)
     one = parallelize(build("qwen3"), SimulatedCommunicator(1), sequence_parallel=True)
     torch.testing.assert_close(step(one, sp_batch), ref, atol=0, rtol=0)   # plain at P = 1
+
+
+def test_sequence_parallel_gather_bits():
+    """EchoConfig(gather_bits=8): every all-gather of an SP pass (forward and backward) runs at
+    8 bits, the reduce-scatters at the sites' own 4; a site set wider (16) keeps its width;
+    the 8-bit gathers bring the logits closer to 16 bits than 4-bit gathers do."""
+    L = build("qwen3").cfg.n_layers
+    ref = step(build("qwen3"), sp_batch)
+    real = SimulatedCommunicator._half
+    runs = {}
+    for gather in (0, 8):
+        model = build("qwen3")
+        comm = SimulatedCommunicator(2, EchoConfig(bits=4, gather_bits=gather))
+        parallelize(model, comm, policy={0: 16}, sequence_parallel=True)
+        bits = []
+
+        def recording(self, kind, x, dim, direction, b, compensate):
+            bits.append((kind, direction, b))
+            return real(self, kind, x, dim, direction, b, compensate)
+        SimulatedCommunicator._half = recording
+        try:
+            logits = step(model, sp_batch)
+        finally:
+            SimulatedCommunicator._half = real
+        runs[gather] = (bits, float((logits - ref).norm() / ref.norm()))
+    bits8 = runs[8][0]
+    gathers = [b for k, _, b in bits8 if k == "all_gather"]
+    assert len(gathers) == 2 * (2 * L + 1) and set(gathers) == {8, 16}
+    assert [b for k, d, b in bits8 if (k, d) == ("all_gather", "forward")][0] == 16  # site 0
+    assert {b for k, _, b in bits8 if k == "reduce_scatter"} == {None, 16}   # None: 4
+    assert {b for k, _, b in runs[0][0] if k == "all_gather"} == {4, 16}
+    assert 0 < runs[8][1] < runs[0][1], (runs[8][1], runs[0][1])
+    with pytest.raises(ValueError, match="gather_bits must be one of"):
+        EchoConfig(gather_bits=6)

@@ -90,7 +90,8 @@ def _eval(sub):
     p.add_argument("--rotate", type=int, default=None, metavar="SEED", help="fold a hidden-size "
                    "rotation (Hadamard x random signs of this seed) into the weights first")
     p.add_argument("--sequence-parallel", action="store_true", help="the project's Transformer "
-                   "sequence-parallel: a reduce-scatter and an all-gather at each block boundary")
+                   "sequence-parallel: a reduce-scatter and an all-gather at each block boundary "
+                   "(the all-gathers at the comm's gather_bits, e.g. 'echo4:gather_bits=8')")
     p.add_argument("--out", default=None, help="JSON results file (with per-window NLLs)")
     p.add_argument("--no-progress", action="store_true")
     _tp_mode(p)
@@ -161,6 +162,9 @@ def _train(sub):
                    "bits; P = 1: the plain model)")
     g.add_argument("--world-size", type=int, default=None, metavar="P",
                    help="spawn P gloo processes on CPU")
+    g.add_argument("--sequence-parallel", action="store_true", help="a reduce-scatter and an "
+                   "all-gather at each block boundary (the all-gathers at the comm's "
+                   "gather_bits, e.g. 'echo4:gather_bits=8')")
 
     def run(a):
         from .train import main
@@ -172,7 +176,8 @@ def _train(sub):
              eval_every=a.eval_every, eval_batches=a.eval_batches, save_every=a.save_every,
              save_dtype=a.save_dtype, compile=a.compile, sync_every=a.sync_every,
              out_dir=a.out_dir, seed=a.seed, device=a.device, amp=a.amp, simulate=a.simulate,
-             world_size=a.world_size, progress=not a.no_progress)
+             world_size=a.world_size, progress=not a.no_progress,
+             sequence_parallel=a.sequence_parallel)
     p.set_defaults(func=run)
 
 

@@ -123,9 +123,15 @@ class EchoConfig:
     """dtype of the compensator state m1, m2 (SPEC §4: float32). bf16 by default: fp32
     arithmetic, one rounding per store, a quarter of the fp32 pair's state traffic, which decides
     the fused kernels' speed (docs/results/2026-11-30-compact-state.md, -p2p-x2-r4.md)."""
+    gather_bits: int = 0
+    """Sequence parallelism only: the width of the all-gathers, which carry a block's input
+    (forward) or its output gradient (backward) and are not compensated (tp/sequence.py); 0:
+    each site's own width. A site at a wider width (a 16-bit or 8-bit site) keeps its own."""
 
     def __post_init__(self) -> None:
         check_bits(self.bits)
+        if self.gather_bits != 0:
+            check_bits(self.gather_bits, "gather_bits")
         # checked at 16 bits too: a per-site policy switches single sites to 4 or 8 bits
         check_group_size(self.group_size)
         if self.quantizer not in QUANTIZERS:

@@ -47,7 +47,7 @@ from echo_tp.models import (ModelConfig, build_meta_model, build_tokenizer, init
 from echo_tp.models.tokenize import (DEFAULT_EOS, resolve_tokenizer_dir, separator_id,
                                      token_file_info)
 from echo_tp.tp import parallelize, parse_comm_specs, set_comm
-from echo_tp.tp.policy import (average_wire_bits, make_policy, telemetry_budget,
+from echo_tp.tp.policy import (average_wire_bits, gather_width, make_policy, telemetry_budget,
                                telemetry_policy, wire_bits_per_value)
 from echo_tp.tp.runtime import launch, make_comm, rank_device
 
@@ -339,7 +339,7 @@ def _add_statistics(results, scores, tokens, windows, opts: EvalOptions, n_layer
     paired-bootstrap interval over windows; with opts.last_word, last-word accuracy."""
     for r, spec in zip(results, parse_comm_specs(list(opts.comms))):
         if "wire_bits" not in r:
-            r["wire_bits"] = _policy_wire_bits(spec, n_layers)
+            r["wire_bits"] = _policy_wire_bits(spec, n_layers, opts.sequence_parallel)
     nll = torch.stack([sc.nll for sc in scores])                          # [C, W]
     count = scores[0].count
     r16, r4 = _reference_rows(results)
@@ -361,10 +361,14 @@ def _add_statistics(results, scores, tokens, windows, opts: EvalOptions, n_layer
             r.update({"last_word_" + k: v for k, v in st.items()}, last_word_targets=len(spans))
 
 
-def _policy_wire_bits(spec, n_layers: int) -> float:
-    """Average wire bits per value of a preset policy (every site the same size)."""
+def _policy_wire_bits(spec, n_layers: int, sequence_parallel: bool = False) -> float:
+    """Average wire bits per value of a preset policy (every site the same size); sequence-
+    parallel: each site's reduce-scatter and all-gather (gather_width) move the same values."""
     fn = make_policy(spec.policy, n_layers)
     bits = [wire_bits_per_value(spec.config, fn(s)) for s in range(2 * n_layers)]
+    if sequence_parallel:
+        bits += [wire_bits_per_value(spec.config, gather_width(spec.config, fn(s)))
+                 for s in range(2 * n_layers)]
     return sum(bits) / len(bits)
 
 

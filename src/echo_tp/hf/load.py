@@ -36,8 +36,9 @@ INDEX_FILE = "model.safetensors.index.json"
 
 def load_hf_tp(path: str | Path, comm, rank: int | None = None, *,
                dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
-               policy=None) -> nn.Module:
-    """An Echo-TP transformers causal LM whose rank (or virtual ranks) read only their shards."""
+               policy=None, sequence_parallel: bool = False) -> nn.Module:
+    """An Echo-TP transformers causal LM whose rank (or virtual ranks) read only their shards
+    (sequence_parallel: as parallelize_hf's)."""
     import transformers
     path = Path(path)
     if not (path / "config.json").is_file():
@@ -45,7 +46,7 @@ def load_hf_tp(path: str | Path, comm, rank: int | None = None, *,
     config = transformers.AutoConfig.from_pretrained(path)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    parallelize_hf(model, comm, rank, policy=policy)
+    parallelize_hf(model, comm, rank, policy=policy, sequence_parallel=sequence_parallel)
     files = _key_files(path)
     real = _real_names(model)
     loaded: dict[int, nn.Parameter] = {}  # id(meta parameter) -> loaded (ties stay ties)

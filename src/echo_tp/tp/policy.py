@@ -193,6 +193,13 @@ def wire_bits_per_value(config: EchoConfig, bits: int | None) -> float:
     return spec.packet_bytes(spec.group_size) * 8 / spec.group_size
 
 
+def gather_width(config: EchoConfig, bits: int | None) -> int:
+    """The width of a sequence-parallel all-gather at a site of width bits (None: the
+    config's): config.gather_bits where that is wider, else the site's own."""
+    b = config.bits if bits is None else bits
+    return max(b, config.gather_bits) if config.gather_bits else b
+
+
 def average_wire_bits(config: EchoConfig, table: Mapping[int, int | None], numel: Mapping[int, int]
                       ) -> float:
     """The numel-weighted average wire bits per value of a per-site table."""

@@ -41,6 +41,7 @@ import torch
 
 from echo_tp.models.config import ModelConfig
 
+from .policy import gather_width
 
 SEQ_DIM = 1
 """The sequence dim of the activations between blocks ([B, T, hidden])."""
@@ -127,8 +128,12 @@ class Site:
         # uncompensated: the gathered input feeds a block, it is not summed into the stream,
         # so a fed-back error would be added to the next block's input instead of cancelled
         y = self.tp.comm.all_gather(x, dim=self.dim, direction=direction,
-                                    bits=self.tp.bits(self.index), compensate=False)
+                                    bits=self.gather_bits(), compensate=False)
         return y[0].clone() if self.virtual else y
+
+    def gather_bits(self) -> int:
+        """The all-gathers' width: the site's, widened to the config's gather_bits if set."""
+        return gather_width(self.tp.comm.config, self.tp.bits(self.index))
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [B, T, ...] -> the P shards [B, T/P, ...] along dim (ValueError unless T splits)."""
@@ -308,7 +313,10 @@ class AddNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, residual, weight, eps: float, site: Site):
         from echo_tp.norm import add_rmsnorm
-        normed, rout = add_rmsnorm(y, residual, weight, eps)
+        # of two dtypes (autocast: a bf16 reduce-scatter output, an fp32 residual) both are
+        # taken in the promoted one, as `residual + y` does (autograd casts the gradients back)
+        dtype = torch.promote_types(y.dtype, residual.dtype)
+        normed, rout = add_rmsnorm(y.to(dtype), residual.to(dtype), weight, eps)
         ctx.save_for_backward(rout, weight)
         ctx.eps, ctx.site = eps, site
         return normed, rout

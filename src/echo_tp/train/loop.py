@@ -108,6 +108,9 @@ class TrainOptions:
     device: str | None = None
     amp: bool | None = None
     """bf16 autocast; default: on for CUDA, off on CPU."""
+    sequence_parallel: bool = False
+    """TP runs sequence-parallel (tp/sequence.py): a reduce-scatter and an all-gather at each
+    block boundary instead of the all-reduce (seq_len must split over the ranks)."""
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -212,7 +215,8 @@ def _rank_train(rank: int | None, world_size: int, o: TrainOptions) -> dict:
     spec = parse_comm_spec(o.comm)
     comm = None if world_size == 1 else make_comm(rank, world_size, spec.config)
     built = build_model(o.model, o.model_fields, seed=o.seed, comm=comm, rank=rank,
-                        world_size=world_size, device=device, policy=spec.policy)
+                        world_size=world_size, device=device, policy=spec.policy,
+                        sequence_parallel=o.sequence_parallel)
     model = built.model
     forward = torch.compile(model) if o.compile else model
     opt = build_optimizer(model, o)
@@ -333,7 +337,7 @@ def main(*, model: str, train_data: str, val_data: str | None = None, comm: str 
          save_dtype: str = "float32", compile: bool = False, sync_every: int = 10,
          out_dir: str = "runs/train", seed: int = 0, device: str | None = None,
          amp: bool | None = None, simulate: int | None = None, world_size: int | None = None,
-         progress: bool = True) -> dict:
+         progress: bool = True, sequence_parallel: bool = False) -> dict:
     """Train (arguments as in TrainOptions) on simulate=P virtual ranks, world_size=P gloo
     processes or under torchrun; with none of them (or P = 1) the plain single-device model.
     Prints a summary on rank 0 and returns it ({} elsewhere)."""
@@ -344,7 +348,8 @@ def main(*, model: str, train_data: str, val_data: str | None = None, comm: str 
                      weight_decay=weight_decay, clip=clip, eval_every=eval_every,
                      eval_batches=eval_batches, save_every=save_every, save_dtype=save_dtype,
                      compile=compile, sync_every=sync_every, out_dir=out_dir, seed=seed,
-                     device=device, amp=amp, progress=progress)
+                     device=device, amp=amp, progress=progress,
+                     sequence_parallel=sequence_parallel)
     parse_comm_spec(o.comm)  # fail fast, before any process starts
     model_config(o.model, o.model_fields)
     data_ids(o)

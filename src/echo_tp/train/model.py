@@ -64,20 +64,23 @@ class Built:
 
 
 def build_model(spec: str, fields: tuple[str, ...], *, seed: int, comm, rank: int | None,
-                world_size: int, device: torch.device, policy) -> Built:
-    """The model in train mode: plain when world_size == 1 (comm unused), else parallelized."""
+                world_size: int, device: torch.device, policy,
+                sequence_parallel: bool = False) -> Built:
+    """The model in train mode: plain when world_size == 1 (comm unused), else parallelized
+    (sequence-parallel if asked)."""
     mode = "plain" if world_size == 1 else ("simulated" if rank is None else "ranks")
     cfg = model_config(spec, fields)
     if cfg is None:
-        model, config, vocab = _build_hf(spec, seed, comm, rank, device, policy, mode == "plain")
+        model, config, vocab = _build_hf(spec, seed, comm, rank, device, policy, mode == "plain",
+                                         sequence_parallel)
         return Built(model, None, config, vocab, mode)
     model = init_weights(build_meta_model(cfg).to_empty(device=device), seed=seed).train()
     if mode != "plain":
-        parallelize(model, comm, rank, policy=policy)
+        parallelize(model, comm, rank, policy=policy, sequence_parallel=sequence_parallel)
     return Built(model, cfg, dataclasses.asdict(cfg), cfg.vocab_size, mode)
 
 
-def _build_hf(spec, seed, comm, rank, device, policy, plain: bool):
+def _build_hf(spec, seed, comm, rank, device, policy, plain: bool, sequence_parallel: bool):
     """(transformers model in train mode, its config as a dict, vocab_size)."""
     import transformers
 
@@ -89,14 +92,15 @@ def _build_hf(spec, seed, comm, rank, device, policy, plain: bool):
                 spec, dtype=torch.float32).to(device)
         else:
             model = load_hf_tp(spec, comm, rank, dtype=torch.float32, device=device,
-                               policy=policy)
+                               policy=policy, sequence_parallel=sequence_parallel)
     else:
         config = transformers.AutoConfig.from_pretrained(spec)
         torch.manual_seed(seed)  # the same init on every rank (built whole, then sharded)
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model = model.to(device)
         if not plain:
-            parallelize_hf(model, comm, rank, policy=policy)
+            parallelize_hf(model, comm, rank, policy=policy,
+                           sequence_parallel=sequence_parallel)
     return model.train(), model.config.to_dict(), text_config(model).vocab_size
 
 
