@@ -21,6 +21,13 @@ y and the compensator state are bit-identical). Per rank r, with P ranks, segmen
   reduce_tail (overlap 'launch'): reduce and tail in one launch, the tails trailing the reduces
          by `lag` tiles (work items in ticket order).
   fused  (grid G programs): entry, reduce and tail of tiles c, c+G, ... in one launch.
+  HALF (the reduce kernel's constexpr; 0: the all-reduce, as above) runs the two halves of the
+         all-reduce on the layout of P*m values (segment = chunk of m, m a multiple of g),
+         unfused equivalent collective/sharded.py:
+         reduce-scatter = entry, then reduce with HALF=1: y [m] = cast(acc [/ 2^e]), no
+           requantization; the own chunk's m1, m2 updated with u = 0 (LOCAL);
+         all-gather = reduce with HALF=2 (x [m], no waits, no sum: x' encoded, pushed into
+           every rank's gather slot RANK, u = x' - x^), then tail over all P owners (FIRST=0).
 
 Every rank owns one byte buffer (`Layout`), symmetric across ranks; `table` [P+1] int64 holds the
 P buffers' addresses as seen from this rank, then the address of its error record. The same
@@ -289,8 +296,9 @@ def _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_ptr
                     acc = v
                 else:
                     acc = acc + v
-            acc = tl.where(tl.abs(xs) <= F32_MAX, _sat(acc, F32_MAX), acc)  # finite own x':
-        if HALF == 1:                                                       # no overflowed sum
+            # a finite own x': no overflowed sum
+            acc = tl.where(tl.abs(xs) <= F32_MAX, _sat(acc, F32_MAX), acc)
+        if HALF == 1:
             if SCALED:
                 acc = acc * tl.math.div_rn(tl.full([], 1.0, tl.float32), f)
             _store_y(y_ptr, res_ptr, e - _slot(RANK, seg), gated(emask, ok), acc, X_KIND,

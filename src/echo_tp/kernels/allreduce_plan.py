@@ -242,10 +242,10 @@ class CallPlan:
                     num_warps=self.num_warps, **self._stages()))
 
     def reduce_tail(self, y: torch.Tensor, ticket: torch.Tensor, lag: int) -> None:
-        """reduce() then tail(y) as one overlapped launch (the all-reduce) (`reduce_tail_kernel`): the tails of
-        tile t run beside the reduces of tiles t + lag on. ticket: [2] int64, this rank's
-        counters for this layout (only ever advanced by this kernel; one per tails-per-tile
-        count, which own_y sets)."""
+        """reduce() then tail(y) as one overlapped launch (`reduce_tail_kernel`; the
+        all-reduce): the tails of tile t run beside the reduces of tiles t + lag on. ticket:
+        [2] int64, this rank's counters for this layout (only ever advanced by this kernel;
+        one per tails-per-tile count, which own_y sets)."""
         self._check_half(None)
         ptrs, scal, consts, meta, per = self._parts
         tiles = self.lay.tiles
