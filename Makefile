@@ -8,7 +8,7 @@ CONSTRAINTS ?= constraints/tested.txt
 # The oldest Triton the package supports (pyproject: triton>=3.6; the GPU machine's version).
 TRITON_OLDEST ?= 3.6.0
 OLD_VENV ?= .venv-triton-oldest
-KERNEL_TESTS = tests/test_kernels.py tests/test_add_norm.py tests/test_oneshot.py tests/test_benchmarks_cpu.py
+KERNEL_TESTS = tests/test_kernels.py tests/test_add_norm.py tests/test_sharded_kernels.py tests/test_oneshot.py tests/test_benchmarks_cpu.py
 
 .PHONY: install demo test test-triton-oldest
 

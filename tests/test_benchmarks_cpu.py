@@ -80,11 +80,20 @@ def test_e2e_table_and_plot_with_a_subset_of_comms(tmp_path):
 
 
 def test_stage_profile_runs_on_the_cpu():
+    """The all-reduce's stages and its two halves' (the reduce-scatter, the all-gather), and
+    the routing's shape."""
     sp = pytest.importorskip("stage_profile")
     row = sp.stage_times(2, 4096, "c4-loc-bf16c", 1024, 4, reps=1, dev="cpu", step=256)
-    assert row["step"] == 256 and row["sum_ms"] > 0
+    assert row["step"] == 256 and row["sum_ms"] > 0 and row["part"] == "all_reduce"
     assert row["sum_ms"] == pytest.approx(row["entry_ms"] + row["reduce_ms"] + row["tail_ms"],
                                           abs=1e-3)
+    for part, stages in (("reduce_scatter", ("entry", "reduce")), ("all_gather",
+                                                                   ("encode", "tail"))):
+        row = sp.stage_times(2, 1024, "u4", 512, 4, reps=1, dev="cpu", part=part)
+        assert row["part"] == part and all(row[f"{s}_ms"] > 0 for s in stages), row
+        assert row["sum_ms"] == pytest.approx(sum(row[f"{s}_ms"] for s in stages), abs=1e-3)
+    tile, warps, step = sp.route_shape(4, 1 << 29, "c4-loc-bf16c")
+    assert tile >= step > 0 and warps > 0
 
 
 def test_add_norm_boundary_runs_on_the_cpu():

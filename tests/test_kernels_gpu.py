@@ -15,7 +15,11 @@ the compiled forms to torch's reference on fresh random inputs:
     through SimulatedFused against the torch reference;
   * the block boundary (norm_kernels: add + RMSNorm, norm-only; SimulatedFused with the
     residual added where y is decoded, then the norm-only kernel) against norm.py's reference
-    after the reference all-reduce: outputs and state bit for bit.
+    after the reference all-reduce: outputs and state bit for bit;
+  * the reduce-scatter and all-gather halves (`-k halves`): SimulatedFused.reduce_scatter /
+    all_gather against collective/sharded.py with the torch quantizer, P = 2/4/8, y and state
+    bit for bit over 3 calls; SimulatedCommunicator's halves on CUDA (FusedSimBackend: the
+    kernels) against fused=False over a forward and a backward pass (P = 2).
 """
 from __future__ import annotations
 
@@ -336,3 +340,85 @@ def test_residual_in_the_all_reduce_then_rmsnorm_on_gpu(case, rows, H, torch_qua
         if mode:
             assert not bits_differ(st.m1, st_r.m1).any(), (call, "m1")
             assert not bits_differ(st.m2, st_r.m2).any(), (call, "m2")
+
+
+# (P, bits, quantizer, dtype, state: None | 'pair' (paper, fp32) | 'default', backward)
+HALVES = [                 # few: every rank of every case is a cold compile per stage kernel
+    (2, 8, "symmetric", "float32", None, False),
+    (4, 4, "zero_aware", "bfloat16", "pair", True),
+    (8, 4, "zero_aware", "bfloat16", "default", True),
+]
+
+
+@pytest.mark.parametrize("case", HALVES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("kind", ["reduce_scatter", "all_gather"])
+def test_halves_match_sharded_reference_on_gpu(kind, case):
+    """The compiled halves (issue 20 item 4): SimulatedFused.reduce_scatter / all_gather
+    against collective/sharded.py with the torch quantizer (codec=quant), chunks of 257
+    groups (partial tiles), y and the state bit for bit over 3 calls; all-gather rows equal."""
+    from echo_tp import quant
+    from echo_tp.collective.sharded import compensated_all_gather, compensated_reduce_scatter
+    from echo_tp.collective.simulated import SimTransport
+    from echo_tp.compensator import CompState
+    from echo_tp.config import EchoConfig
+    from echo_tp.kernels.simulated_fused import SimulatedFused
+    P, bits, qz, dtype, state, backward = case
+    cfg = EchoConfig(bits=bits, quantizer=qz, eta=0.0) if state is None else \
+        two_timescale(bits=bits, quantizer=qz) if state == "pair" else \
+        EchoConfig(bits=bits, quantizer=qz)
+    m = 257 * 128
+    n = P * m if kind == "reduce_scatter" else m
+    sdt = torch.bfloat16 if state == "default" else torch.float32
+    st = CompState.zeros((P, n), "cuda", sdt, compact=state == "default") if state else None
+    st_r = CompState.zeros((P, n), "cuda", sdt, compact=state == "default") if state else None
+    sim = SimulatedFused(P, tile_elems=1024, step_elems=1024, timeout_polls=10**7)
+    ref = compensated_reduce_scatter if kind == "reduce_scatter" else compensated_all_gather
+    gen = torch.Generator(device="cuda").manual_seed(hash(case) % 1000 + len(kind))
+    for call in range(3):
+        x = torch.randn(P, n, device="cuda", generator=gen)
+        x *= torch.exp(torch.randn(P, n // 128, device="cuda", generator=gen) * 2) \
+            .repeat_interleave(128, dim=1)
+        x[:, 7::501] *= 30.0
+        x[:, 1024:1152] = 0.0
+        x = (x * (1e-7 if backward else 1.0)).to(getattr(torch, dtype))
+        y = getattr(sim, kind)(x, cfg, state=st, backward=backward)
+        y_r = ref(x, cfg, SimTransport(P), state=st_r, backward=backward, codec=quant)
+        assert not bits_differ(y, y_r).any(), (call, "y", int(bits_differ(y, y_r).sum()))
+        if state:
+            assert not bits_differ(st.m1, st_r.m1).any(), (call, "m1")
+            assert not bits_differ(st.m2, st_r.m2).any(), (call, "m2")
+        if kind == "all_gather":
+            assert all(not bits_differ(y[0], y[r]).any() for r in range(P)), call
+
+
+@pytest.mark.parametrize("P,cfg_name", [(2, "echo4")])
+def test_simulated_communicator_halves_on_gpu_run_the_kernels(P, cfg_name):
+    """SimulatedCommunicator's reduce_scatter / all_gather on CUDA (FusedSimBackend: the stage
+    kernels) against fused=False (the reference with the Triton quantizer, bit-identical to
+    the torch one): sequence-parallel boundaries (RS of [P, T, H] along the tokens, then AG
+    of the result) over a forward and a backward pass of 4 sites each, y and the states bit
+    for bit, and the kernels did run."""
+    from echo_tp import SimulatedCommunicator
+    from echo_tp.config import EchoConfig
+    cfg = EchoConfig.from_name(cfg_name)
+    g = torch.Generator(device="cuda").manual_seed(10 + P)
+    fast, ref = SimulatedCommunicator(P, cfg), SimulatedCommunicator(P, cfg, fused=False)
+    backend = fast.dispatcher.backends["reference"]
+    assert backend.name == "simulated-fused"
+    for direction in ("forward", "backward"):
+        for comm in (fast, ref):
+            comm.new_pass(direction)
+        for site in range(4):
+            x = (torch.randn(P, 8 * P, 1024, generator=g, device="cuda")
+                 * (1 + 50 * (site % 2)) * (1e-6 if direction == "backward" else 1.0)
+                 ).to(torch.bfloat16)
+            h = [c.reduce_scatter(x, direction=direction) for c in (fast, ref)]
+            assert int(bits_differ(h[0], h[1]).sum()) == 0, (direction, site, "rs")
+            z = [c.all_gather(h[1], direction=direction) for c in (fast, ref)]
+            assert int(bits_differ(z[0], z[1]).sum()) == 0, (direction, site, "ag")
+        for kind in ("reduce_scatter", "all_gather"):
+            for n, s1 in fast.half_passes[kind][direction].streams.items():
+                s2 = ref.half_passes[kind][direction].streams[n]
+                assert int(bits_differ(s1.m1, s2.m1).sum()) == 0, (direction, kind)
+                assert int(bits_differ(s1.m2, s2.m2).sum()) == 0, (direction, kind)
+    assert backend._sims, "the halves did not run through the kernels"

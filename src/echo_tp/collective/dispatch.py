@@ -4,7 +4,8 @@ this module builds the backends a group can have and runs the call on the one pi
     'auto' on an intra-node GPU group:  oneshot | p2p | plain | reference (routing.route)
     'auto' elsewhere (CPU/gloo, multi-node), or 'reference':  the reference for every call
     'p2p':  p2p for every call its kernels can take (an error at build if it cannot run)
-    reduce-scatter / all-gather calls (any mode): the reference (routing.route_half)
+    reduce-scatter / all-gather calls (any mode): the reference (routing.route_half; the stage
+        kernels run them only in simulation, collective/simulated.FusedSimBackend)
 
 A block boundary's residual add (comm.all_reduce_add_rmsnorm) goes into the call where the
 route's backend adds it where y is decoded (`adds_residual`: p2p); `adds_residual(x, cfg)` says

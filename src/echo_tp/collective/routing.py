@@ -14,7 +14,8 @@ mode 'auto' on an intra-node GPU group, in this order:
     reference  everything else (CPU tensors, groups without the fast path): the quantized
                algorithm over torch.distributed
 
-Reduce-scatter and all-gather calls (route_half) all go to the reference for now.
+Reduce-scatter and all-gather calls (route_half) all go to the reference on real ranks (the
+stage kernels run them in simulation: collective/simulated.FusedSimBackend).
 Mode 'p2p' sends every call the kernels can take to p2p (the rest to the reference); mode
 'reference' sends all to the reference. A p2p route also fixes the kernel form ('fused': one
 kernel; 'staged': entry, reduce, tail), the tile shape and the reduce/tail overlap.
@@ -150,12 +151,23 @@ HALVES = ("reduce_scatter", "all_gather")
 def route_half(kind: str) -> Route:
     """The backend of a reduce-scatter or all-gather call (sequence parallelism): the reference
     algorithm (collective/sharded.py) over the group's transport, in every mode and at every
-    size; no fused kernel runs the halves yet. At bits=16 that is the transport's own plain
-    collective (NCCL's reduce-scatter / all-gather on GPUs)."""
+    size. At bits=16 that is the transport's own plain collective (NCCL's reduce-scatter /
+    all-gather on GPUs).
+
+    The stage kernels do run the halves (kernels/allreduce_plan.py: CallPlan(half=...), exact
+    against the reference in simulation), but p2p.P2PBackend does not take them yet: a half
+    alone is not a round trip. In the all-reduce a rank's next call cannot overwrite a peer's
+    slot before the peer has read it, because its tail waited for every peer's reduce, which
+    read the slots first; after a reduce-scatter (or an all-gather) nothing tells a rank that
+    its peers have read what it pushed, so two halves of one kind back to back on one
+    workspace could overwrite a slot still being read. Real ranks need two workspaces per
+    layout and kind, used in turn (a rank that finished call k+1 knows every peer finished
+    call k), before this can route to p2p."""
     if kind not in HALVES:
         raise ValueError(f"kind must be one of {HALVES}, got {kind!r}")
-    return Route("reference", f"{kind.replace('_', '-')}: no fused kernel for the halves yet, "
-                              "so the reference algorithm over the group's transport")
+    return Route("reference", f"{kind.replace('_', '-')}: the p2p backend does not run the "
+                              "halves yet, so the reference algorithm over the group's "
+                              "transport")
 
 
 def p2p_route(call: Call, tables: tuning.Tables, reason: str, *, form: str | None = None,

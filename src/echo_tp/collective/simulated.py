@@ -72,10 +72,13 @@ class FusedSimBackend:
     """Simulated calls on a GPU through the fused p2p kernels (kernels/simulated_fused.py: the
     entry, reduce and tail stages of every virtual rank over per-rank buffers, bit-identical to
     the reference: tests/test_p2p_gpu.py), with the tile shape the routing policy picks for a
-    real group of this size. Everything else goes to `reference` (a TransportBackend over
-    SimTransport, the same bits): CPU tensors, bits=16, telemetry (the kernels leave no
-    StepRecord), calls the kernels do not take (kernels.allreduce_plan.supported), and the
-    reduce-scatter and all-gather halves (no kernels for them yet)."""
+    real group of this size. The reduce-scatter and all-gather halves likewise (entry, reduce
+    without requantization / encode, tail: bit-identical to collective/sharded.py,
+    tests/test_sharded_kernels.py), on the layout of the all-reduce of the same P*m values.
+    Everything else goes to `reference` (a TransportBackend over SimTransport, the same bits):
+    CPU tensors, bits=16, telemetry (the kernels leave no StepRecord), and calls the kernels
+    do not take (kernels.allreduce_plan.supported; for the halves supported_half: chunks of a
+    whole number of quantization groups)."""
 
     name = "simulated-fused"
 
@@ -99,15 +102,33 @@ class FusedSimBackend:
         return self._sim(x, cfg)(x, cfg, state=state, backward=backward), None
 
     def reduce_scatter(self, x, cfg, *, state, backward):
-        return self.reference.reduce_scatter(x, cfg, state=state, backward=backward)
+        """x [P, P*m] -> [P, m] (collective/sharded.py's semantics)."""
+        if not self._half_fits("reduce_scatter", x, cfg, state):
+            return self.reference.reduce_scatter(x, cfg, state=state, backward=backward)
+        return self._sim(x, cfg).reduce_scatter(x, cfg, state=state, backward=backward)
 
     def all_gather(self, x, cfg, *, state, backward):
-        return self.reference.all_gather(x, cfg, state=state, backward=backward)
+        """x [P, m] -> [P, P*m] (collective/sharded.py's semantics)."""
+        if not self._half_fits("all_gather", x, cfg, state):
+            return self.reference.all_gather(x, cfg, state=state, backward=backward)
+        return self._sim(x, cfg, self.world_size * x.shape[1]).all_gather(
+            x, cfg, state=state, backward=backward)
 
-    def _sim(self, x: torch.Tensor, cfg):
+    def _half_fits(self, kind: str, x: torch.Tensor, cfg, state) -> bool:
+        if not (x.is_cuda and cfg.quantized and x.dim() == 2 and x.is_contiguous()):
+            return False
+        from ..kernels.allreduce_plan import supported_half
+        from .routing import config_unfit
+        return config_unfit(cfg) is None and supported_half(
+            kind, x[0], cfg, self.world_size, None if state is None else _row(state)) is None
+
+    def _sim(self, x: torch.Tensor, cfg, numel: int | None = None):
+        """The simulation with the routing's tile shape for a call of numel values per rank
+        (default x's row: the all-reduce, the reduce-scatter)."""
         from ..kernels.simulated_fused import SimulatedFused
         from . import routing, tuning
-        call = routing.Call.of(x.shape[1], x.element_size(), cfg, self.world_size, on_gpu=True)
+        call = routing.Call.of(numel or x.shape[1], x.element_size(), cfg, self.world_size,
+                               on_gpu=True)
         plan = routing.p2p_route(call, tuning.DEFAULT, "simulated", form="staged")
         key = (plan.tile, plan.step, plan.num_warps)
         sim = self._sims.get(key)

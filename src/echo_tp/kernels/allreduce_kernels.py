@@ -21,6 +21,13 @@ y and the compensator state are bit-identical). Per rank r, with P ranks, segmen
   reduce_tail (overlap 'launch'): reduce and tail in one launch, the tails trailing the reduces
          by `lag` tiles (work items in ticket order).
   fused  (grid G programs): entry, reduce and tail of tiles c, c+G, ... in one launch.
+  HALF (the reduce kernel's constexpr; 0: the all-reduce, as above) runs the two halves of the
+         all-reduce on the layout of P*m values (segment = chunk of m, m a multiple of g),
+         unfused equivalent collective/sharded.py:
+         reduce-scatter = entry, then reduce with HALF=1: y [m] = cast(acc [/ 2^e]), no
+           requantization; the own chunk's m1, m2 updated with u = 0 (LOCAL);
+         all-gather = reduce with HALF=2 (x [m], no waits, no sum: x' encoded, pushed into
+           every rank's gather slot RANK, u = x' - x^), then tail over all P owners (FIRST=0).
 
 Every rank owns one byte buffer (`Layout`), symmetric across ranks; `table` [P+1] int64 holds the
 P buffers' addresses as seen from this rank, then the address of its error record. The same
@@ -247,60 +254,92 @@ def _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_ptr
                  SG: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
                  LEVELS: tl.constexpr, QMAX: tl.constexpr, COMP: tl.constexpr,
                  SCALED: tl.constexpr, LOCAL: tl.constexpr, USE_TIMER: tl.constexpr,
-                 OWN_Y: tl.constexpr, ADD: tl.constexpr):
+                 OWN_Y: tl.constexpr, ADD: tl.constexpr, HALF: tl.constexpr):
     """Owner sum of tile t of the own segment, requantized and pushed to every rank's gather
     slot RANK; signal gath[RANK][t] everywhere. Waits once, then steps of SG groups.
     OWN_Y: also y of these elements, decoded from the registers exactly as the tail would
-    decode the own gather slot (the tail then skips the own segment); ADD: residual + y."""
+    decode the own gather slot (the tail then skips the own segment); ADD: residual + y.
+    HALF (0: the all-reduce's reduce, as described) selects a half of it instead:
+      1  reduce-scatter: the owner sum (saturated, [/ 2^e]) is this rank's output y [seg]
+         (at e - RANK*seg); no requantization, no push, no gath signal; LOCAL: m1, m2 of the
+         own segment updated with u = 0 (it was never quantized).
+      2  all-gather's entry: no waits and no sum; x [seg] is the own shard (ids from 0):
+         x' encoded once, pushed into every rank's gather slot RANK and gath[RANK][t]
+         signalled; LOCAL: m1, m2 updated with x' - decode(encode(x')) [/ 2^e]."""
     own = _buffer(table_ptr, RANK)
     flags = (own + flags_off).to(tl.pointer_type(tl.int64))   # recv [P][tiles], gath [P][tiles]
     abort = flags + 2 * P * tiles
     err_rec = tl.load(table_ptr + P).to(tl.pointer_type(tl.int64))
     ok = ep == ep
-    for r in tl.static_range(P):
-        if r != RANK:
-            ok = ok & wait_geq(flags + r * tiles + t, ep, abort, err_rec, RANK, 1, t, r,
-                               timeout, USE_TIMER)
+    if HALF != 2:
+        for r in tl.static_range(P):
+            if r != RANK:
+                ok = ok & wait_geq(flags + r * tiles + t, ep, abort, err_rec, RANK, 1, t, r,
+                                   timeout, USE_TIMER)
     for c in tl.range(0, BG // SG):
-        grp, gmask, e, emask = _step_ids(t, c, RANK, seg, groups, n, BG, SG, GS)
+        if HALF == 2:
+            grp, gmask, e, emask = _step_ids(t, c, 0, seg, groups, n, BG, SG, GS)
+        else:
+            grp, gmask, e, emask = _step_ids(t, c, RANK, seg, groups, n, BG, SG, GS)
         xp, m1, m2, xs, f = _x_scaled(x_ptr, m1_ptr, m2_ptr, fs_ptr, e, emask, eta, a, oma,
                                       X_KIND, COMP, SCALED)
-        for r in tl.static_range(P):                       # acc = c_0; acc = acc + c_1; ...
-            if r == RANK:
-                v = xs
-            else:
-                v = _decode_slot(own + _slot(r, slot), scale_off, zero_off, grp, gmask, GS,
-                                 BITS, SG, QUANT, QMAX)
-            if r == 0:
-                acc = v
-            else:
-                acc = acc + v
-        acc = tl.where(tl.abs(xs) <= F32_MAX, _sat(acc, F32_MAX), acc)  # finite own x': no
-        sw, sf, z16, zf, finite = _group_params(acc, QUANT, LEVELS, QMAX)   # overflowed sum
-        q = _codes(acc, sf, zf, finite, QUANT, LEVELS, QMAX)
-        pmask = gated(gmask, ok)
-        for i in tl.static_range(P):                       # own slot last
-            dst = _buffer(table_ptr, (RANK + 1 + i) % P) + _slot(P + RANK, slot)
-            _store_packet(dst, scale_off, zero_off, grp, pmask, q, sw, z16, GS, BITS, SG,
-                          QUANT)
-        if LOCAL or OWN_Y:
-            y32 = _dequant(q, sf, zf, QUANT, QMAX)         # = decode of the packet just sent
-            if SCALED:
-                inv = tl.math.div_rn(tl.full([], 1.0, tl.float32), f)
-                y32 = y32 * inv
-            if OWN_Y:
-                _store_y(y_ptr, res_ptr, e, gated(emask, ok), y32, X_KIND, ADD)
-            if LOCAL:
-                if SCALED:
-                    u = acc * inv - _as_f32_of_out(y32, X_KIND)
+        if HALF == 2:
+            acc = xs                                       # the own shard, quantized once
+        else:
+            for r in tl.static_range(P):                   # acc = c_0; acc = acc + c_1; ...
+                if r == RANK:
+                    v = xs
                 else:
-                    u = acc - _as_f32_of_out(y32, X_KIND)
-                _update(m1_ptr, m2_ptr, e, gated(emask, ok), m1, m2, u, b1, omb1, b2, omb2)
-    if ok:
-        for i in tl.static_range(P):
-            peer = _buffer(table_ptr, (RANK + 1 + i) % P)
-            signal((peer + flags_off).to(tl.pointer_type(tl.int64)) + (P + RANK) * tiles + t,
-                   ep)
+                    v = _decode_slot(own + _slot(r, slot), scale_off, zero_off, grp, gmask,
+                                     GS, BITS, SG, QUANT, QMAX)
+                if r == 0:
+                    acc = v
+                else:
+                    acc = acc + v
+            # a finite own x': no overflowed sum
+            acc = tl.where(tl.abs(xs) <= F32_MAX, _sat(acc, F32_MAX), acc)
+        if HALF == 1:
+            if SCALED:
+                acc = acc * tl.math.div_rn(tl.full([], 1.0, tl.float32), f)
+            _store_y(y_ptr, res_ptr, e - _slot(RANK, seg), gated(emask, ok), acc, X_KIND,
+                     False)                                # y [seg]: chunk RANK of the sum
+            if LOCAL:
+                _update(m1_ptr, m2_ptr, e, gated(emask, ok), m1, m2, tl.zeros_like(acc), b1,
+                        omb1, b2, omb2)
+        else:
+            sw, sf, z16, zf, finite = _group_params(acc, QUANT, LEVELS, QMAX)
+            q = _codes(acc, sf, zf, finite, QUANT, LEVELS, QMAX)
+            pmask = gated(gmask, ok)
+            for i in tl.static_range(P):                   # own slot last
+                dst = _buffer(table_ptr, (RANK + 1 + i) % P) + _slot(P + RANK, slot)
+                _store_packet(dst, scale_off, zero_off, grp, pmask, q, sw, z16, GS, BITS, SG,
+                              QUANT)
+            if HALF == 2:
+                if LOCAL:
+                    u = xs - _dequant(q, sf, zf, QUANT, QMAX)   # x' - decode(encode(x'))
+                    if SCALED:
+                        u = u * tl.math.div_rn(tl.full([], 1.0, tl.float32), f)
+                    _update(m1_ptr, m2_ptr, e, emask, m1, m2, u, b1, omb1, b2, omb2)
+            elif LOCAL or OWN_Y:
+                y32 = _dequant(q, sf, zf, QUANT, QMAX)     # = decode of the packet just sent
+                if SCALED:
+                    inv = tl.math.div_rn(tl.full([], 1.0, tl.float32), f)
+                    y32 = y32 * inv
+                if OWN_Y:
+                    _store_y(y_ptr, res_ptr, e, gated(emask, ok), y32, X_KIND, ADD)
+                if LOCAL:
+                    if SCALED:
+                        u = acc * inv - _as_f32_of_out(y32, X_KIND)
+                    else:
+                        u = acc - _as_f32_of_out(y32, X_KIND)
+                    _update(m1_ptr, m2_ptr, e, gated(emask, ok), m1, m2, u, b1, omb1, b2,
+                            omb2)
+    if HALF != 1:
+        if ok:
+            for i in tl.static_range(P):
+                peer = _buffer(table_ptr, (RANK + 1 + i) % P)
+                signal((peer + flags_off).to(tl.pointer_type(tl.int64)) + (P + RANK) * tiles
+                       + t, ep)
 
 
 @triton.jit
@@ -360,13 +399,14 @@ def reduce_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, epoch_ptr, tabl
                   SG: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
                   LEVELS: tl.constexpr, QMAX: tl.constexpr, COMP: tl.constexpr,
                   SCALED: tl.constexpr, LOCAL: tl.constexpr, USE_TIMER: tl.constexpr,
-                  OWN_Y: tl.constexpr, ADD: tl.constexpr):
+                  OWN_Y: tl.constexpr, ADD: tl.constexpr, HALF: tl.constexpr):
     """grid (tiles,): program t reduces tile t of the own segment (OWN_Y: and writes its y,
-    ADD: residual + y)."""
+    ADD: residual + y); HALF 1: the reduce-scatter's reduce, 2: the all-gather's entry
+    (`_reduce_tile`)."""
     _reduce_tile(tl.program_id(0), tl.load(epoch_ptr), x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr,
                  fs_ptr, table_ptr, n, seg, groups, slot, scale_off, zero_off, flags_off, tiles,
                  timeout, eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, BITS,
-                 QUANT, LEVELS, QMAX, COMP, SCALED, LOCAL, USE_TIMER, OWN_Y, ADD)
+                 QUANT, LEVELS, QMAX, COMP, SCALED, LOCAL, USE_TIMER, OWN_Y, ADD, HALF)
 
 
 @triton.jit
@@ -441,7 +481,7 @@ def reduce_tail_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, epoch_ptr,
         _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_ptr,
                      n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
                      eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, BITS, QUANT,
-                     LEVELS, QMAX, COMP, SCALED, LOCAL, USE_TIMER, OWN_Y, ADD)
+                     LEVELS, QMAX, COMP, SCALED, LOCAL, USE_TIMER, OWN_Y, ADD, 0)
     else:
         _tail_tile(t, j, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_ptr,
                    n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
@@ -491,7 +531,7 @@ def fused_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, epochs_ptr, tabl
         _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_ptr,
                      n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
                      eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, BITS, QUANT,
-                     LEVELS, QMAX, COMP, SCALED, LOCAL, USE_TIMER, False, False)
+                     LEVELS, QMAX, COMP, SCALED, LOCAL, USE_TIMER, False, False, 0)
         t += G
     t = c
     while t < tiles:

@@ -4,6 +4,17 @@
 `CallPlan` holds everything one rank's launches of one call need and launches the kernels of
 kernels/allreduce_kernels.py (entry, reduce, tail; reduce_tail; fused) through
 kernels/launcher.py. Which of them a call runs, with which tile: collective/routing.py.
+
+The halves (sequence parallelism; collective/sharded.py is their reference) run the same
+kernels on the layout of the all-reduce of P*m values, whose segments are the m-value chunks
+when the group size g divides m (`supported_half`):
+
+    reduce-scatter  x [P*m] -> y [m]     entry(), then reduce(y)    (the reduce: HALF=1)
+    all-gather      x [m]   -> y [P*m]   encode(), then tail(y)     (encode: the reduce's
+                                                                     kernel with HALF=2)
+
+with CallPlan(half='reduce_scatter' | 'all_gather'); the compensator residual is always the
+halves' own rounding errors ('local'), whatever cfg.residual says.
 """
 from __future__ import annotations
 
@@ -22,6 +33,9 @@ from .quant_kernels import DTYPE_KIND, LAUNCH_OPTS, spec_constexprs
 
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 """Compensator state dtypes the kernels read and write (EchoConfig.state_dtype)."""
+
+HALF_CODES = {None: 0, "reduce_scatter": 1, "all_gather": 2}
+"""CallPlan.half -> the reduce kernel's HALF constexpr."""
 
 
 def _align(v: int, a: int) -> int:
@@ -81,10 +95,11 @@ class Layout:
 
 @functools.lru_cache(maxsize=1024)
 def _static_args(lay: Layout, cfg: EchoConfig, rank: int, dtype: torch.dtype, comp: bool,
-                 scaled: bool, step_elems: int) -> tuple:
+                 scaled: bool, step_elems: int, half: bool = False) -> tuple:
     """The launch arguments fixed by (layout, config, rank, dtype): built once, not per call.
     -> (layout scalars, compensator constants, constexprs common to the kernels, extra
-    constexprs by kernel name)."""
+    constexprs by kernel name). half: a reduce-scatter or all-gather call (its residual is
+    always the own rounding errors)."""
     spec = cfg.quant_spec()
     k = CompensatorConstants.from_config(cfg)
     scal = (lay.seg, lay.groups, lay.slot, lay.scale_off, lay.zero_off, lay.flags_off, lay.tiles)
@@ -96,8 +111,8 @@ def _static_args(lay: Layout, cfg: EchoConfig, rank: int, dtype: torch.dtype, co
                          "power of two")
     meta = dict(RANK=rank, P=lay.world_size, X_KIND=DTYPE_KIND[dtype], BG=lay.bg, SG=sg,
                 GS=ce["GS"], BITS=ce["BITS"], QUANT=ce["QUANT"])
-    local = comp and cfg.residual == "local"
-    output = comp and cfg.residual == "output"
+    local = comp and (half or cfg.residual == "local")
+    output = comp and not half and cfg.residual == "output"
     per = {
         "entry": dict(LEVELS=ce["LEVELS"], QMAX=ce["QMAX"], COMP=comp, SCALED=scaled,
                       LOCAL=local),
@@ -136,16 +151,27 @@ class CallPlan:
     """[n] x's dtype, contiguous, or None: the kernels that write y (the reduce's own y, the
     tail) write residual + y there instead (torch's `residual + y`; the state updates still
     read y): the block boundary's residual add, fused where y is decoded."""
+    half: str | None = None
+    """None: the all-reduce. 'reduce_scatter': x [P*m] -> y [m] by entry() then reduce(y);
+    'all_gather': x [m] (the own shard) -> y [P*m] by encode() then tail(y). lay is the layout
+    of P*m values (seg = m), the state is x's size (module docstring)."""
+
+    def __post_init__(self):
+        if self.half not in HALF_CODES:
+            raise ValueError(f"half must be one of {tuple(HALF_CODES)}, got {self.half!r}")
+        if self.half is not None and self.residual is not None:
+            raise ValueError("the reduce-scatter and all-gather add no residual")
 
     @functools.cached_property
     def _parts(self):
         st = self.state
         scal, consts, meta, per = _static_args(self.lay, self.cfg, self.rank, self.x.dtype,
                                                st is not None, self.fs is not None,
-                                               self.step_elems)
+                                               self.step_elems, self.half is not None)
         x = self.x
         ptrs = (x, st.m1, st.m2) if st is not None else (x, x, x)
-        return ptrs, (x.numel(), *scal), consts, meta, per
+        n = self.lay.world_size * self.lay.seg if self.half else x.numel()   # = P*m
+        return ptrs, (n, *scal), consts, meta, per
 
     def _stages(self) -> dict:
         return {} if self.num_stages is None else {"num_stages": self.num_stages}
@@ -160,6 +186,9 @@ class CallPlan:
         return self.residual, True
 
     def entry(self) -> None:
+        """Quantize and push the segments of the other owners (the all-reduce, the
+        reduce-scatter)."""
+        self._check_half(None, "reduce_scatter")
         if self.lay.world_size == 1:
             return
         ptrs, scal, consts, meta, per = self._parts
@@ -173,19 +202,37 @@ class CallPlan:
         tail decodes only the P-1 other owners' packets: a 1/P of the tail's HBM traffic moves
         into the link-bound reduce. Not when the tail updates the output-residual state,
         which needs every element there."""
-        return not self._parts[-1]["tail"]["OUTPUT"]
+        return self.half is None and not self._parts[-1]["tail"]["OUTPUT"]
 
     def reduce(self, y: torch.Tensor) -> None:
+        """The owner sum: requantized and pushed (the all-reduce), or stored as this rank's
+        chunk y [m] (the reduce-scatter: HALF=1)."""
+        self._check_half(None, "reduce_scatter")
+        self._reduce(y, HALF_CODES[self.half])
+
+    def encode(self) -> None:
+        """The all-gather's entry: x' of the own shard encoded once and pushed into every
+        rank's gather slot of this rank (the reduce kernel with HALF=2: no waits, no sum)."""
+        self._check_half("all_gather")
+        self._reduce(self.x, HALF_CODES["all_gather"])
+
+    def _reduce(self, y: torch.Tensor, half: int) -> None:
         ptrs, scal, consts, meta, per = self._parts
         res, add = self._res(y)
         launch(reduce_kernel, (self.lay.tiles,),
                (*ptrs, y, res, self._fs(), self.epoch, self.table, *scal, self.timeout, *consts),
                dict(**meta, **per["reduce"], USE_TIMER=self.use_timer, OWN_Y=self.own_y,
-                    ADD=add, num_warps=self.num_warps, **self._stages()))
+                    ADD=add, HALF=half, num_warps=self.num_warps, **self._stages()))
+
+    def _check_half(self, *allowed) -> None:
+        if self.half not in allowed:
+            raise ValueError(f"this stage is not part of a {self.half or 'all_reduce'} call")
 
     def tail(self, y: torch.Tensor) -> None:
         """After reduce(y): y of the other owners' segments (and of the own one unless the
-        reduce wrote it)."""
+        reduce wrote it). All-gather, after every rank's encode(): y [P*m], every owner's
+        packet decoded, the own one included."""
+        self._check_half(None, "all_gather")
         ptrs, scal, consts, meta, per = self._parts
         first = int(self.own_y)
         res, add = self._res(y)
@@ -195,10 +242,11 @@ class CallPlan:
                     num_warps=self.num_warps, **self._stages()))
 
     def reduce_tail(self, y: torch.Tensor, ticket: torch.Tensor, lag: int) -> None:
-        """reduce() then tail(y) as one overlapped launch (`reduce_tail_kernel`): the tails of
-        tile t run beside the reduces of tiles t + lag on. ticket: [2] int64, this rank's
-        counters for this layout (only ever advanced by this kernel; one per tails-per-tile
-        count, which own_y sets)."""
+        """reduce() then tail(y) as one overlapped launch (`reduce_tail_kernel`; the
+        all-reduce): the tails of tile t run beside the reduces of tiles t + lag on. ticket:
+        [2] int64, this rank's counters for this layout (only ever advanced by this kernel;
+        one per tails-per-tile count, which own_y sets)."""
+        self._check_half(None)
         ptrs, scal, consts, meta, per = self._parts
         tiles = self.lay.tiles
         own = self.own_y
@@ -211,7 +259,8 @@ class CallPlan:
 
     def fused(self, y: torch.Tensor, programs: int) -> None:
         """The whole call in one launch of `programs` programs (<= epoch.numel(); the same on
-        every rank of a workspace, for its whole life)."""
+        every rank of a workspace, for its whole life; the all-reduce)."""
+        self._check_half(None)
         ptrs, scal, consts, meta, per = self._parts
         grid = max(1, min(programs, self.lay.tiles))
         res, add = self._res(y)
@@ -251,4 +300,30 @@ def supported(x: torch.Tensor, cfg: EchoConfig, state: CompState | None = None,
                                  or not residual.is_contiguous()
                                  or residual.device != x.device):
         return "residual must be a contiguous tensor of x's shape, dtype and device"
+    return None
+
+
+def supported_half(kind: str, x: torch.Tensor, cfg: EchoConfig, world_size: int,
+                   state: CompState | None = None) -> str | None:
+    """Why the kernels cannot run this reduce-scatter (x [P*m]) or all-gather (x [m]) of one
+    rank (None when they can). The kernels run the layout of the all-reduce of P*m values,
+    whose segment is ceil(P*m/(P*g))*g; the reference pads each m-value chunk to
+    ceil(m/g)*g on its own. The two agree only when g divides m, so only then the kernels."""
+    if kind not in ("reduce_scatter", "all_gather"):
+        raise ValueError(f"kind must be 'reduce_scatter' or 'all_gather', got {kind!r}")
+    why = supported(x, cfg, state)
+    if why is not None:
+        return why
+    if state is not None and (state.m1.shape != x.shape or state.m2.shape != x.shape):
+        return "the compensator state must have x's shape"
+    n = x.numel()
+    if kind == "reduce_scatter" and n % world_size:
+        return f"{n} values do not split into {world_size} equal chunks"
+    m = n // world_size if kind == "reduce_scatter" else n
+    g = cfg.group_size
+    if m == 0:
+        return "an empty chunk"
+    if m % g:
+        return (f"a chunk of {m} values is not a whole number of {g}-value groups (the "
+                "kernels' segments would not be the reference's per-chunk padding)")
     return None

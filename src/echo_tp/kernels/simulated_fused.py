@@ -7,6 +7,12 @@ virtual rank owns a byte buffer laid out as on a GPU (allreduce_plan.Layout) and
 table to all P buffers; stages run entry(all ranks) -> reduce(all) -> tail(all), so every
 flag a kernel waits for is already set. Runs wherever the kernels run: the CPU under
 TRITON_INTERPRET=1, or one GPU.
+
+The halves mirror collective/sharded.py over SimTransport the same way (allreduce_plan's
+module docstring; chunks of whole quantization groups only: allreduce_plan.supported_half):
+
+    reduce_scatter(x [P, P*m]) -> [P, m]      entry(all ranks) -> reduce(all)
+    all_gather(x [P, m])       -> [P, P*m]    encode(all) -> tail(all), identical rows
 """
 from __future__ import annotations
 
@@ -14,7 +20,7 @@ import torch
 
 from ..compensator import CompState
 from ..config import EchoConfig, QuantSpec
-from .allreduce_plan import CallPlan, Layout, local_amax
+from .allreduce_plan import CallPlan, Layout, local_amax, supported_half
 from .flags import describe_error, new_error_buffer
 
 
@@ -61,39 +67,82 @@ class SimulatedFused:
         """The call's stages in order, each on every rank -> y [P, N]; with residual [P, N]
         (x's dtype): residual + y, bit for bit `residual + <the call without it>`, the state
         updated exactly as without it."""
-        from ..collective.qar import grad_scale
-        from ..collective.simulated import SimTransport
+        self._ranks(x)
+        y = torch.empty_like(x)
+        plans = self.plans(x, cfg, state, self._grad_scale(x, cfg, state, backward), residual)
+        self._run(plans, stages, y)
+        return y
+
+    def reduce_scatter(self, x: torch.Tensor, cfg: EchoConfig, *, state: CompState | None,
+                       backward: bool = False) -> torch.Tensor:
+        """x [P, P*m] -> [P, m], rank r's chunk r of the sum; state (m1, m2 [P, P*m]) updated
+        in place: sharded.compensated_reduce_scatter over SimTransport, bit for bit."""
+        return self._half("reduce_scatter", x, cfg, state, backward)
+
+    def all_gather(self, x: torch.Tensor, cfg: EchoConfig, *, state: CompState | None,
+                   backward: bool = False) -> torch.Tensor:
+        """x [P, m] (rank r's shard) -> [P, P*m], every row all shards in rank order (the
+        same codes decoded by every rank); state (m1, m2 [P, m]) updated in place:
+        sharded.compensated_all_gather over SimTransport, bit for bit."""
+        return self._half("all_gather", x, cfg, state, backward)
+
+    def _half(self, kind: str, x: torch.Tensor, cfg: EchoConfig, state: CompState | None,
+              backward: bool) -> torch.Tensor:
+        P, n = self._ranks(x)
+        why = supported_half(kind, x[0], cfg, P, _rank_state(state, 0))
+        if why is not None:
+            raise ValueError(f"the kernels cannot run this {kind}: {why}")
+        out = n // P if kind == "reduce_scatter" else n * P
+        y = torch.empty(P, out, dtype=x.dtype, device=x.device)
+        plans = self.plans(x, cfg, state, self._grad_scale(x, cfg, state, backward),
+                           half=kind)
+        self._run(plans, ("entry", "reduce") if kind == "reduce_scatter" else
+                  ("encode", "tail"), y)
+        return y
+
+    def _ranks(self, x: torch.Tensor) -> tuple[int, int]:
         P, n = x.shape
         if P != self.world_size:
             raise ValueError(f"x has {P} ranks, the simulation {self.world_size}")
-        ws = self.workspace(n, cfg.quant_spec(), x.device)
-        fs = None
-        if backward and cfg.grad_scaling:
-            parts = torch.stack([local_amax(x[r], _rank_state(state, r), cfg) for r in range(P)])
-            fs = grad_scale(parts, SimTransport(P))              # [P, 1]
-        y = torch.empty_like(x)
-        plans = self.plans(x, cfg, state, fs, residual)
+        return P, n
+
+    def _grad_scale(self, x: torch.Tensor, cfg: EchoConfig, state: CompState | None,
+                    backward: bool) -> torch.Tensor | None:
+        """The backward power of two [P, 1] over the group's x' (None: no scaling)."""
+        from ..collective.qar import grad_scale
+        from ..collective.simulated import SimTransport
+        if not (backward and cfg.grad_scaling):
+            return None
+        P = x.shape[0]
+        parts = torch.stack([local_amax(x[r], _rank_state(state, r), cfg) for r in range(P)])
+        return grad_scale(parts, SimTransport(P))                # [P, 1]
+
+    def _run(self, plans: list[CallPlan], stages: tuple, y: torch.Tensor) -> None:
+        """Each stage on every rank in turn (y [P, ...]: rank r's output y[r]), then raise on
+        any error record of the simulation's ranks."""
         for stage in stages:
-            for r in range(P):
-                if stage == "entry":
-                    plans[r].entry()
+            for r, plan in enumerate(plans):
+                if stage in ("entry", "encode"):
+                    getattr(plan, stage)()
                 else:
-                    getattr(plans[r], stage)(y[r])
-        for r in range(P):
-            msg = describe_error(ws["errs"][r].cpu())
-            if msg is not None:
-                raise RuntimeError(msg)
-        return y
+                    getattr(plan, stage)(y[r])
+        for ws in self._ws.values():
+            for err in ws["errs"]:
+                msg = describe_error(err.cpu())
+                if msg is not None:
+                    raise RuntimeError(msg)
 
     def plans(self, x: torch.Tensor, cfg: EchoConfig, state: CompState | None,
-              fs: torch.Tensor | None = None,
-              residual: torch.Tensor | None = None) -> list[CallPlan]:
+              fs: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+              half: str | None = None) -> list[CallPlan]:
         """One new call: every rank's epoch bumped, its CallPlan (x [P, N]; fs [P, 1] or None;
-        residual [P, N] or None)."""
+        residual [P, N] or None; half: CallPlan.half, on the layout of the all-reduce of
+        N values (reduce-scatter) or P*N (all-gather))."""
         if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
             raise ValueError(f"residual must be x's shape and dtype: {tuple(residual.shape)} "
                              f"{residual.dtype} vs {tuple(x.shape)} {x.dtype}")
-        ws = self.workspace(x.shape[-1], cfg.quant_spec(), x.device)
+        n = x.shape[-1] * (self.world_size if half == "all_gather" else 1)
+        ws = self.workspace(n, cfg.quant_spec(), x.device)
         plans = []
         for r in range(self.world_size):
             ws["epochs"][r].add_(1)
@@ -106,7 +155,7 @@ class SimulatedFused:
                                   step_elems=min(self.step_elems, self.tile_elems),
                                   num_stages=self.num_stages,
                                   residual=None if residual is None
-                                  else residual[r].contiguous()))
+                                  else residual[r].contiguous(), half=half))
         return plans
 
 

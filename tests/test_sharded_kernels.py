@@ -1,0 +1,122 @@
+"""The reduce-scatter and all-gather halves on the stage kernels against their pure-torch
+reference, on the CPU under TRITON_INTERPRET=1 (issue 20 item 4). Compared bit for bit:
+
+  * kernels.simulated_fused.SimulatedFused.reduce_scatter (entry -> reduce with HALF=1 over P
+    per-rank buffers: the owner sum stored as y, no requantization)  vs
+    collective.sharded.compensated_reduce_scatter over SimTransport;
+  * SimulatedFused.all_gather (encode = the reduce kernel with HALF=2, then the tail over all
+    P owners)  vs  collective.sharded.compensated_all_gather; every rank's row identical;
+    y and the compensator state (m1, m2) after each of 3 consecutive calls (2 at P=4) on
+    fresh random inputs (ECHO_TEST_SEED), P = 2 and 4, bits 4 and 8, bf16 and fp32 inputs,
+    no state / the paper's fp32 pair / the default single bf16 tensor, forward and backward
+    (the power of two over the group); chunks of 3 groups in tiles of 2 (a partial tile per
+    segment);
+  * kernels.allreduce_plan.supported_half: which calls the kernels refuse, and why.
+The GPU forms (compiled, larger sizes, P up to 8): tests/test_kernels_gpu.py -k halves.
+One tolerance: any NaN matches any NaN (payloads). When y differs, look first at
+allreduce_kernels._reduce_tile's HALF branches (the y store at e - RANK*seg; the division by
+2^e); when only the state of the own chunk differs, at the u = 0 update there (the reference
+adds +0.0); when the all-gather's state differs, at the HALF=2 update (x' - decode(encode(x'))
+before the division by 2^e, as sharded.compensated_all_gather).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from harness import assert_bits_equal, interpret_kernels, two_timescale
+
+interpret_kernels()                   # before triton.jit decorates anything
+pytest.importorskip("triton")
+
+from echo_tp.collective.sharded import (compensated_all_gather,  # noqa: E402
+                                        compensated_reduce_scatter)
+from echo_tp.collective.simulated import SimTransport  # noqa: E402
+from echo_tp.compensator import CompState  # noqa: E402
+from echo_tp.config import EchoConfig  # noqa: E402
+from echo_tp.kernels.allreduce_plan import supported_half  # noqa: E402
+from echo_tp.kernels.simulated_fused import SimulatedFused  # noqa: E402
+
+SEED = int(os.environ.setdefault("ECHO_TEST_SEED", str(int.from_bytes(os.urandom(4), "little"))))
+G = 128
+M = 3 * G                               # values per chunk: 3 groups, tiles of 2 groups
+
+# (P, bits, quantizer, input dtype, state: None | 'pair' (paper, fp32) | 'default', backward)
+CASES = [
+    (2, 4, "zero_aware", "bfloat16", "pair", False),
+    (2, 8, "symmetric", "float32", None, True),
+    (2, 4, "zero_aware", "bfloat16", "default", True),
+    (4, 4, "zero_aware", "float32", "pair", True),
+    (4, 8, "naive", "bfloat16", "default", False),
+    (4, 4, "zero_aware", "bfloat16", None, False),
+]
+
+
+def _config(bits: int, quantizer: str, state: str | None) -> EchoConfig:
+    if state is None:
+        return EchoConfig(bits=bits, quantizer=quantizer, eta=0.0)
+    if state == "pair":
+        return two_timescale(bits=bits, quantizer=quantizer)
+    return EchoConfig(bits=bits, quantizer=quantizer)      # one bf16 tensor, beta1 = beta2 = 0
+
+
+def _input(P: int, n: int, dtype, backward: bool, gen) -> torch.Tensor:
+    """[P, n]: groups of widely different magnitudes, an outlier channel, a zero group;
+    gradients tiny (the backward scaling brings them up)."""
+    x = torch.randn(P, n, generator=gen)
+    x *= torch.exp(torch.randn(P, n // G, generator=gen) * 2).repeat_interleave(G, dim=1)
+    x[:, 5::97] *= 30.0
+    x[:, G:2 * G] = 0.0
+    return (x * (1e-6 if backward else 1.0)).to(dtype)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("kind", ["reduce_scatter", "all_gather"])
+def test_halves_match_sharded_reference(kind, case):
+    """y and (m1, m2) after each of 3 calls (2 at P=4: the interpreter's time), bit for bit;
+    all-gather rows identical."""
+    P, bits, qz, dtype, state, backward = case
+    cfg = _config(bits, qz, state)
+    n = P * M if kind == "reduce_scatter" else M              # a rank's input
+    sdt = torch.bfloat16 if state == "default" else torch.float32
+    st = CompState.zeros((P, n), "cpu", sdt, compact=state == "default") if state else None
+    st_r = CompState.zeros((P, n), "cpu", sdt, compact=state == "default") if state else None
+    sim = SimulatedFused(P, tile_elems=2 * G, step_elems=G)
+    ref = compensated_reduce_scatter if kind == "reduce_scatter" else compensated_all_gather
+    gen = torch.Generator().manual_seed(SEED + 100 * P + 10 * bits + len(kind))
+    for call in range(3 if P == 2 else 2):
+        x = _input(P, n, getattr(torch, dtype), backward, gen)
+        y = getattr(sim, kind)(x, cfg, state=st, backward=backward)
+        y_r = ref(x, cfg, SimTransport(P), state=st_r, backward=backward)
+        assert_bits_equal(y, y_r, f"call {call} y")
+        if state:
+            assert_bits_equal(st.m1, st_r.m1, f"call {call} m1")
+            assert_bits_equal(st.m2, st_r.m2, f"call {call} m2")
+            assert st.compact == (state == "default")
+        if kind == "all_gather":
+            assert all(torch.equal(y[0].view(torch.uint8), y[r].view(torch.uint8))
+                       for r in range(P)), call
+    if state:
+        assert st.m1.abs().amax() > 0                          # the state was written
+
+
+def test_supported_half_says_why():
+    """The kernels take chunks of whole groups of a 1-D contiguous bf16/fp16/fp32 tensor at 4
+    or 8 bits; the other calls get a reason (and SimulatedFused a ValueError)."""
+    cfg = EchoConfig()
+    P = 4
+    assert supported_half("reduce_scatter", torch.zeros(P * M), cfg, P) is None
+    assert supported_half("all_gather", torch.zeros(M), cfg, P) is None
+    assert "equal chunks" in supported_half("reduce_scatter", torch.zeros(P * M + 1), cfg, P)
+    assert "whole number" in supported_half("reduce_scatter", torch.zeros(P * 200), cfg, P)
+    assert "whole number" in supported_half("all_gather", torch.zeros(200), cfg, P)
+    assert "empty" in supported_half("all_gather", torch.zeros(0), cfg, P)
+    assert "bits=16" in supported_half("all_gather", torch.zeros(M), EchoConfig(bits=16), P)
+    assert "1-D" in supported_half("all_gather", torch.zeros(3, G), cfg, P)
+    wrong = CompState.zeros((M,), "cpu", torch.float32)             # config says bf16
+    assert "state" in supported_half("all_gather", torch.zeros(M), cfg, P, wrong)
+    with pytest.raises(ValueError, match="kind"):
+        supported_half("all_reduce", torch.zeros(M), cfg, P)
+    with pytest.raises(ValueError, match="whole number"):
+        SimulatedFused(2).all_gather(torch.zeros(2, 200), cfg, state=None)
