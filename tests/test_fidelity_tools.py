@@ -205,12 +205,13 @@ def test_eval_sequence_parallel(tmp_path):
     kw = dict(model="tiny-qwen3", data=str(tmp_path / "val.bin"), context=63, batch_size=4,
               max_windows=8, simulate=2, progress=False, bos=True)
     plain = eval_main(comms=["16", "echo4"], **kw)
-    sp = eval_main(comms=["16", "4", "echo4", "echo4:gather_bits=8"], sequence_parallel=True,
+    sp = eval_main(comms=["16", "4", "echo4", "echo4:gather_bits=0"], sequence_parallel=True,
                    **kw)
     assert sp[0]["ppl"] == pytest.approx(plain[0]["ppl"], rel=1e-5)
     assert all(math.isfinite(r["ppl"]) for r in sp)
-    # the reduce-scatter and the all-gather move the same values: 4.25 and 8.25 bits average
-    assert [r["wire_bits"] for r in sp] == [16.0, 4.25, 4.25, 6.25]
+    # the reduce-scatter and the all-gather move the same values: echo4 gathers at 8 bits by
+    # default (4.25 and 8.25 bits average 6.25), naive '4' and gather_bits=0 at 4
+    assert [r["wire_bits"] for r in sp] == [16.0, 4.25, 6.25, 4.25]
     with pytest.raises(ValueError, match="divisible"):
         eval_main(comms=["16"], sequence_parallel=True, **{**kw, "context": 64})
     with pytest.raises(ValueError, match="names no tokenizer"):   # no tokenizer to read words

@@ -91,7 +91,8 @@ def _eval(sub):
                    "rotation (Hadamard x random signs of this seed) into the weights first")
     p.add_argument("--sequence-parallel", action="store_true", help="the project's Transformer "
                    "sequence-parallel: a reduce-scatter and an all-gather at each block boundary "
-                   "(the all-gathers at the comm's gather_bits, e.g. 'echo4:gather_bits=8')")
+                   "(the all-gathers at the comm's gather_bits: 8 unless the spec says, e.g. "
+                   "'echo4:gather_bits=0' for the sites' own width)")
     p.add_argument("--out", default=None, help="JSON results file (with per-window NLLs)")
     p.add_argument("--no-progress", action="store_true")
     _tp_mode(p)
@@ -164,7 +165,7 @@ def _train(sub):
                    help="spawn P gloo processes on CPU")
     g.add_argument("--sequence-parallel", action="store_true", help="a reduce-scatter and an "
                    "all-gather at each block boundary (the all-gathers at the comm's "
-                   "gather_bits, e.g. 'echo4:gather_bits=8')")
+                   "gather_bits: 8 unless the spec says, e.g. 'echo4:gather_bits=0')")
 
     def run(a):
         from .train import main

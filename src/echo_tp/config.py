@@ -123,10 +123,13 @@ class EchoConfig:
     """dtype of the compensator state m1, m2 (SPEC §4: float32). bf16 by default: fp32
     arithmetic, one rounding per store, a quarter of the fp32 pair's state traffic, which decides
     the fused kernels' speed (docs/results/2026-11-30-compact-state.md, -p2p-x2-r4.md)."""
-    gather_bits: int = 0
-    """Sequence parallelism only: the width of the all-gathers, which carry a block's input
-    (forward) or its output gradient (backward) and are not compensated (tp/sequence.py); 0:
-    each site's own width. A site at a wider width (a 16-bit or 8-bit site) keeps its own."""
+    gather_bits: int = 8
+    """Sequence parallelism only: the width of the TP engine's all-gathers, which carry a
+    block's input (forward) or its output gradient (backward) and are not compensated
+    (tp/sequence.py); 0: each site's own width. A site at a wider width keeps its own. 8 by
+    default: 4-bit gathers cost +4.4% perplexity on the testbed at TP=8 where 8-bit ones cost
+    +0.36% (4.25 -> 6.25 wire bits per value; docs/results/2026-12-01-sp-testbed.md). The
+    naive presets '4' and '8' gather at their own width."""
 
     def __post_init__(self) -> None:
         check_bits(self.bits)
@@ -182,8 +185,8 @@ class EchoConfig:
     def from_name(cls, name: str) -> "EchoConfig":
         presets = {
             "16": dict(bits=16),
-            "8": dict(bits=8, eta=0.0),
-            "4": dict(bits=4, eta=0.0),
+            "8": dict(bits=8, eta=0.0, gather_bits=0),
+            "4": dict(bits=4, eta=0.0, gather_bits=0),
             "echo8": dict(bits=8),
             "echo4": dict(bits=4),
             # the paper's setting: output residual, eta 0.75, two timescales, fp32 state
