@@ -2,7 +2,8 @@
 
     python studies/fidelity_report.py tp8.json [tp8-rot.json ...] [--refs tp8.json] > table.md
 
-Each file's rows carry per-window NLLs (the same windows in every file of one model and data),
+Rows of rotated models and of sequence-parallel runs are tagged so. Each file's rows carry
+per-window NLLs (the same windows in every file of one model and data),
 so rows of several files are compared on the same resampled windows: the gap closed is
 (ppl_4 - ppl_x) / (ppl_4 - ppl_16) with the 16-bit and naive 4-bit rows of --refs (default: the
 first file), a paired bootstrap (eval/stats.py) over windows giving the 95% interval.
@@ -22,6 +23,7 @@ def load_rows(paths: list[str]) -> list[tuple[str, dict]]:
     for p in paths:
         rec = json.loads(open(p).read())
         tag = " (rotated)" if rec.get("rotate") is not None else ""
+        tag += " (SP)" if rec.get("sequence_parallel") else ""
         out.extend((r["label"] + tag, r) for r in rec["results"])
     return out
 
