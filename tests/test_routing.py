@@ -286,7 +286,7 @@ def half_call(kind: str, m: int, cfg: EchoConfig = DEFAULT, P: int = 2, **kw) ->
     return Call.of(P * m if kind == "reduce_scatter" else m, 2, cfg, P, **kw)
 
 
-def test_halves_take_p2p_where_the_kernels_take_them():
+def test_half_calls_take_p2p_where_the_kernels_take_them():
     """Every quantized GPU half the kernels take goes to p2p under 'auto' and 'p2p', eager or
     captured, small or large: staged, overlap off, the tile shape of the all-reduce of P*m
     values, so a reduce-scatter and an all-gather of one chunk size share their tile."""
@@ -310,7 +310,7 @@ def test_halves_take_p2p_where_the_kernels_take_them():
     assert "'p2p'" in r.reason
 
 
-def test_halves_fall_back_to_the_reference_and_say_why():
+def test_half_calls_fall_back_to_the_reference_and_say_why():
     pytest.importorskip("triton")
     from echo_tp.kernels.allreduce_plan import supported_half
     for kind in routing.HALVES:

@@ -125,7 +125,7 @@ def test_supported_half_says_why():
 
 
 @pytest.mark.parametrize("P", [2, 4, 8])
-def test_next_call_alternates_the_halves_workspaces(P):
+def test_next_call_alternates_the_half_workspaces(P):
     """epoch += 1 and table = tables[epoch % 2] on every call, P + 1 words (the P buffers and
     the error record), nothing else written."""
     tables = torch.randint(1, 1 << 40, (2, P + 1), dtype=torch.int64)

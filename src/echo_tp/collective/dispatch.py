@@ -88,7 +88,8 @@ class PlainBackend:
 
 class Dispatcher:
     """backends: name (routing.BACKENDS) -> backend, 'reference' among them. Routes are cached
-    per (numel, dtype, device, layout, config, capture state)."""
+    per (numel, dtype, device, layout, config, capture state); the halves' also per kind and
+    whether the call has compensator state."""
 
     def __init__(self, backends: dict, world_size: int, *, mode: str = "reference",
                  available: dict[str, str | None] | None = None,
