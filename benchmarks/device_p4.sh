@@ -6,12 +6,16 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src ECHO_FLAG_TIMEOUT_S=20
 nvidia-smi -L; nvidia-smi topo -m | head -6
 # 1. compiled kernel forms vs torch on one GPU (in the background), exactness at P=4 against
-#    the torch reference, CUDA graphs, two groups + soak
+#    the torch reference, CUDA graphs, two groups + soak, then the halves on p2p
 CUDA_VISIBLE_DEVICES=3 timeout 170 python3 -m pytest -q -x -p no:cacheprovider \
   tests/test_kernels_gpu.py > $OUT/pytest_kernels_gpu.txt 2>&1 &
 timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_p2p_gpu.py \
   -k "4-fused or 4-off or 4-launch or soak" > $OUT/pytest.txt 2>&1
-echo "pytest rc=$?"; tail -3 $OUT/pytest.txt; wait; tail -2 $OUT/pytest_kernels_gpu.txt
+echo "pytest rc=$?"; tail -3 $OUT/pytest.txt
+timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_p2p_gpu.py \
+  -k "halves and x4" > $OUT/pytest_halves.txt 2>&1     # reduce-scatter / all-gather on p2p
+echo "pytest -k halves rc=$?"; tail -3 $OUT/pytest_halves.txt
+wait; tail -2 $OUT/pytest_kernels_gpu.txt
 # 2. all-reduce latency, every method incl. auto, 64 KB .. 1 GB
 timeout 150 python3 benchmarks/allreduce.py --world 4 --out $OUT --iters 30 --budget-s 130 \
   --methods nccl16,oneshot16,ref4,p2p8,p2p8-staged,p2p4,p2p4-staged,p2p4-launch,p2p4c,p2p4c-fp32,p2p4c-out,p2p4c-out-unfused,p2p4-graph,auto4,auto4c,auto4c-fp32 --stages \

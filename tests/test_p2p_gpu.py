@@ -11,15 +11,23 @@ process groups side by side on the same GPUs (interleaved calls) and a soak of 1
 (ECHO_SOAK_CALLS): bit-stable outputs, one epoch per call, no memory growth. Each form also
 runs the block boundary (the residual added where y is decoded, then the norm-only kernel; and
 comm.all_reduce_add_rmsnorm on backend='p2p') against the reference all-reduce then
-norm.add_rmsnorm_reference. Skipped without 2 GPUs; the availability check itself also runs on
-the CPU.
+norm.add_rmsnorm_reference. The halves (`-k halves`): EchoCommunicator(backend='p2p')'s
+reduce_scatter / all_gather (dim 0) against a backend='reference' communicator's
+(collective/sharded.py over DistTransport, quant.py), 4 and 8 bits, bf16, compensated,
+forward and backward, 4 reduce-scatters in a row, 4 all-gathers in a row, then alternating,
+the p2p calls all enqueued before any reference call (no collective between them: the race the
+two workspaces per kind prevent; ranks skewed by device sleeps), bit for bit y and state after
+every call, every rank's all-gather output identical; chunks of no whole groups and bits=16 go
+to the reference; 3 reduce-scatters and an all-gather captured in one CUDA graph, replayed.
+Skipped without 2 GPUs; the availability check itself also runs on the CPU.
 
 When it fails, look first at: the case and tensor named in the message; a mismatch only in
 cases of one policy -> quant_kernels._group_params against quant.group_params (divisions must
 be div_rn, the reference divides by 0-dim tensors); a RuntimeError naming rank/stage/tile ->
 a flag never arrived (kernels/flags.py, the epoch bump in P2PBackend.run); wrong values in the
 first tiles of a segment only -> Layout offsets; values that change between runs -> a race
-(signal/wait ordering).
+(signal/wait ordering; for the halves, only in calls after the first two of a kind: the
+workspace pair's alternation, P2PBackend._HalfWorkspaces and flags.next_call_kernel).
 """
 from __future__ import annotations
 
@@ -378,3 +386,166 @@ def test_two_groups_and_soak():
         assert r["mem_growth"] == 0, (rank, r)
         # one workspace per size: 20 interleaved calls, and 1 warm-up + the soak
         assert sorted(r["epochs"]) == sorted([[20], [calls + 1]]), (rank, r)
+
+
+# ----- the halves: reduce-scatter and all-gather ---------------------------------------------
+
+# (bits, config, rows, hidden, the backend the p2p communicator must take): a rank's chunk is
+# rows x hidden values (m = rows * hidden); 'default': one bf16 state tensor; 'pair': the
+# paper's fp32 two-timescale pair
+HALF_CASES = [(4, "default", 257, 4096, "p2p"), (8, "pair", 64, 4096, "p2p"),
+              (4, "pair", 3, 128, "p2p"), (8, "default", 1031, 1024, "p2p"),
+              (4, "default", 3, 100, "reference"),                    # 300: no whole groups
+              (16, "default", 64, 4096, "reference")]                  # NCCL's plain halves
+HALF_SEQUENCE = ["reduce_scatter"] * 4 + ["all_gather"] * 4 + ["reduce_scatter", "all_gather"] * 3
+
+
+def _state_copy(comm, kind: str, direction: str, numel: int):
+    st = comm.state(direction, numel=numel, kind=kind)
+    return st.m1.clone(), st.m2.clone()
+
+
+def _halves_fn(rank: int, world: int) -> list[dict]:
+    """On one rank: every HALF_CASE forward and backward through a backend='p2p' and a
+    backend='reference' communicator, HALF_SEQUENCE of calls on fresh inputs; mismatch counts
+    of y, of the state after each call, and of the all-gather outputs across ranks; then
+    _halves_graph_case."""
+    import importlib
+
+    import torch.distributed as dist
+
+    from echo_tp import quant
+    from echo_tp.collective.symm import fast_path_unavailable_reason
+    from echo_tp.communicator import EchoCommunicator
+    from echo_tp.config import EchoConfig
+    for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                 ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ.setdefault(k, v)
+    torch.cuda.set_device(rank)
+    group = dist.new_group(backend="nccl")
+    reason = fast_path_unavailable_reason(group)
+    if reason is not None:
+        return [{"error": reason}]
+    for mod in ("echo_tp.collective.qar", "echo_tp.collective.sharded"):
+        importlib.import_module(mod).codec_for = lambda x: quant   # the torch quantizer
+    configs = {"default": EchoConfig(bits=4), "pair": two_timescale(bits=4)}
+    comms = {name: {b: EchoCommunicator.from_group(group, cfg, backend=b)
+                    for b in ("p2p", "reference")} for name, cfg in configs.items()}
+    sleep = getattr(torch.cuda, "_sleep", None)
+    out = []
+    for ci, (bits, cname, rows, h, want) in enumerate(HALF_CASES):
+        p2p, ref = comms[cname]["p2p"], comms[cname]["reference"]
+        for direction in ("forward", "backward"):
+            backward = direction == "backward"
+            row = {"case": (bits, cname, rows, h, direction), "want": want, "backends": [],
+                   "y": 0, "m1": 0, "m2": 0, "ag_ranks": 0}
+            p2p.new_pass(direction)
+            ref.new_pass(direction)
+            xs = [_input((world if kind == "reduce_scatter" else 1) * rows * h, "bfloat16",
+                         rank, seed=5000 + 100 * ci + 10 * backward + i, backward=backward)
+                  .view(-1, h) for i, kind in enumerate(HALF_SEQUENCE)]
+            got = []
+            for i, (kind, x) in enumerate(zip(HALF_SEQUENCE, xs)):   # p2p: back to back
+                if sleep is not None and (i + rank) % 3 == 0:
+                    sleep(200_000)                                     # skew the ranks
+                y = getattr(p2p, kind)(x, dim=0, direction=direction, bits=bits)
+                st = _state_copy(p2p, kind, direction, x.numel()) if bits != 16 else None
+                got.append((y, st))
+                if p2p.dispatcher.last_backend not in row["backends"]:
+                    row["backends"].append(p2p.dispatcher.last_backend)
+            for i, (kind, x) in enumerate(zip(HALF_SEQUENCE, xs)):   # then the reference
+                y_p, st_p = got[i]
+                y_r = getattr(ref, kind)(x, dim=0, direction=direction, bits=bits)
+                row["y"] += _mismatch(y_p, y_r)
+                if st_p is not None:
+                    m1, m2 = _state_copy(ref, kind, direction, x.numel())
+                    row["m1"] += _mismatch(st_p[0], m1)
+                    row["m2"] += _mismatch(st_p[1], m2)
+                if kind == "all_gather":
+                    parts = [torch.empty_like(y_p) for _ in range(world)]
+                    dist.all_gather(parts, y_p.contiguous(), group=group)
+                    row["ag_ranks"] += sum(_mismatch(q, parts[0]) for q in parts[1:])
+                if "first" not in row and (row["y"] or row["m1"]):
+                    row["first"] = f"call {i} ({kind}): " + (
+                        _first(y_p.view(-1), y_r.view(-1)) if row["y"]
+                        else "m1 " + _first(st_p[0].view(-1), m1.view(-1)))
+            out.append(row)
+            print(f"[halves P{world} rank{rank}] {row}", flush=True)   # survives a later hang
+    for by_backend in comms.values():
+        by_backend["p2p"].dispatcher.backends["p2p"].check_error()   # raises on a timed-out wait
+        for c in by_backend.values():
+            c.close()
+    out.append(_halves_graph_case(group, rank, world))
+    print(f"[halves P{world} rank{rank}] {out[-1]}", flush=True)
+    return out
+
+
+def _halves_graph_case(group, rank: int, world: int) -> dict:
+    """Three reduce-scatters and one all-gather (odd counts on each workspace pair) captured
+    in one CUDA graph after an eager warm-up, replayed 3 times on new inputs, then one eager
+    call of each kind: P2PBackend against the reference backend in the same order, y and
+    state. The pair's workspace is picked on the device, so replays keep alternating."""
+    from echo_tp.collective import routing
+    from echo_tp.collective.dispatch import TransportBackend
+    from echo_tp.collective.p2p import P2PBackend
+    from echo_tp.collective.reference import DistTransport
+    from echo_tp.compensator import CompState
+    p2p, ref = P2PBackend(group), TransportBackend(DistTransport(group))
+    cfg = two_timescale(bits=4)
+    m = 64 * 4096
+    sizes = {"reduce_scatter": world * m, "all_gather": m}
+    routes = {k: routing.route_half(k, routing.Call.of(n, 2, cfg, world, on_gpu=True), "p2p",
+                                    {"p2p": None}) for k, n in sizes.items()}
+    st_p = {k: CompState.zeros(n, "cuda") for k, n in sizes.items()}
+    st_r = {k: CompState.zeros(n, "cuda") for k, n in sizes.items()}
+    row = {"case": "halves cuda-graph replay x3", "y": 0, "m1": 0, "m2": 0,
+           "routes": sorted({r.backend for r in routes.values()})}
+
+    def run(kind, x, seed=None):
+        if seed is not None:
+            x.copy_(_input(x.numel(), "bfloat16", rank, seed=seed, backward=False))
+        return getattr(p2p, kind)(x, cfg, state=st_p[kind], backward=False, route=routes[kind])
+
+    def check(kind, x, y_p):
+        y_r = getattr(ref, kind)(x, cfg, state=st_r[kind], backward=False)
+        row["y"] += _mismatch(y_p, y_r)
+
+    def check_states():
+        for k in sizes:
+            row["m1"] += _mismatch(st_p[k].m1, st_r[k].m1)
+            row["m2"] += _mismatch(st_p[k].m2, st_r[k].m2)
+
+    kinds = ["reduce_scatter"] * 3 + ["all_gather"]
+    xs = [torch.empty(sizes[k], dtype=torch.bfloat16, device="cuda") for k in kinds]
+    for i in (0, 3):                                       # eager warm-up: one of each kind
+        check(kinds[i], xs[i], run(kinds[i], xs[i], seed=800 + i))
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        ys = [run(k, x) for k, x in zip(kinds, xs)]
+    for rep in range(3):
+        for i, x in enumerate(xs):
+            x.copy_(_input(x.numel(), "bfloat16", rank, seed=810 + 10 * rep + i, backward=False))
+        g.replay()
+        for k, x, y in zip(kinds, xs, ys):
+            check(k, x, y)
+        check_states()
+    for i in (0, 3):                                       # eager again, after the replays
+        check(kinds[i], xs[i], run(kinds[i], xs[i], seed=850 + i))
+    check_states()
+    p2p.check_error()
+    p2p.close()
+    if row["routes"] != ["p2p"]:
+        row["y"] += 1                                      # route_half did not pick p2p
+    return row
+
+
+@pytest.mark.parametrize("world", [2, 4], ids=["x2", "x4"])
+def test_p2p_halves_bit_identical_to_reference(world):
+    if torch.cuda.device_count() < world:
+        pytest.skip(NEEDS.format(world))
+    results = run_ranks(world, _halves_fn, timeout=600)
+    for rank, rows in enumerate(results):
+        assert "error" not in rows[0], f"rank {rank}: p2p unavailable: {rows[0]}"
+        bad = [r for r in rows if r["y"] or r["m1"] or r["m2"] or r.get("ag_ranks")
+               or ("want" in r and r["backends"] != [r["want"]])]
+        assert not bad, f"rank {rank}: mismatching elements or routes {bad}"

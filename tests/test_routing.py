@@ -12,9 +12,14 @@ against the measured tables (collective/tuning.py), not restated from them.
   * kernel plans: fused up to the fused cap, staged above; reduce/tail overlap only where
     measured (never compensated); tiles powers of two within the table's bounds;
   * every table entry names a record that exists in docs/results; the two user overrides;
-  * reduce-scatter / all-gather calls (sequence parallelism) take the reference, saying why.
-Look first at collective/routing.route when a decision test fails, at collective/tuning.py
-when a table test does.
+  * reduce-scatter / all-gather calls (sequence parallelism, routing.route_half): p2p (staged,
+    overlap off, the all-reduce's tile for the P*m values of the layout) for every quantized
+    GPU call the kernels take under 'auto' and 'p2p', captured or not; the reference, saying
+    why, for the rest (mode 'reference', no fast path, CPU tensors, bits 16, a chunk that is
+    not whole quantization groups); the dispatcher routes, caches, logs once and hands the
+    route to the backend's half.
+Look first at collective/routing.route (route_half for the halves) when a decision test fails,
+at collective/tuning.py when a table test does.
 """
 from pathlib import Path
 
@@ -274,19 +279,106 @@ def test_auto_on_cpu_is_the_reference(gloo_world, monkeypatch):
     assert build_dispatcher(None, "auto").mode == "reference"
 
 
-def test_halves_take_the_reference_and_say_why(caplog):
-    """Reduce-scatter and all-gather calls route to the reference on every mode (the p2p
-    backend does not run the halves yet; the kernels run them in simulation only); the
-    dispatcher logs the decision once per kind."""
-    for kind in ("reduce_scatter", "all_gather"):
-        r = route_half(kind)
-        assert r.backend == "reference" and "does not run the halves" in r.reason, r
+def half_call(kind: str, m: int, cfg: EchoConfig = DEFAULT, P: int = 2, **kw) -> Call:
+    """The Call of a half's input on one rank: P*m values (reduce-scatter) or m (all-gather),
+    bf16."""
+    kw.setdefault("on_gpu", True)
+    return Call.of(P * m if kind == "reduce_scatter" else m, 2, cfg, P, **kw)
+
+
+def test_half_calls_take_p2p_where_the_kernels_take_them():
+    """Every quantized GPU half the kernels take goes to p2p under 'auto' and 'p2p', eager or
+    captured, small or large: staged, overlap off, the tile shape of the all-reduce of P*m
+    values, so a reduce-scatter and an all-gather of one chunk size share their tile."""
+    for P in (2, 4, 8):
+        for m in (128, 3 * 128, 4096 * 257, 1 << 24):
+            for cfg in (DEFAULT, UNCOMP, FP32_PAIR, EchoConfig(bits=8)):
+                want = routing.p2p_route(Call.of(P * m, 2, cfg, P, on_gpu=True), tuning.DEFAULT,
+                                         "the all-reduce of P*m values", form="staged",
+                                         overlap="off")
+                for kind in routing.HALVES:
+                    for mode in ("auto", "p2p"):
+                        for capturing in (False, True):
+                            r = route_half(kind, half_call(kind, m, cfg, P,
+                                                           capturing=capturing), mode, FAST)
+                            assert r.backend == "p2p", (P, m, kind, mode, r)
+                            assert (r.form, r.overlap) == ("staged", "off"), r
+                            assert (r.tile, r.step, r.num_warps) == \
+                                (want.tile, want.step, want.num_warps), (P, m, kind, r)
+                            assert kind.replace("_", "-") in r.reason
+    r = route_half("all_gather", half_call("all_gather", 4096, P=4), "p2p", FAST)
+    assert "'p2p'" in r.reason
+
+
+def test_half_calls_fall_back_to_the_reference_and_say_why():
+    pytest.importorskip("triton")
+    from echo_tp.kernels.allreduce_plan import supported_half
+    for kind in routing.HALVES:
+        name = kind.replace("_", "-")
+        c = half_call(kind, 4096)
+        for mode, available, why in (("reference", FAST, "'reference'"),
+                                     ("auto", {"p2p": "the group spans several nodes"},
+                                      "several nodes"),
+                                     ("p2p", {}, "not built")):
+            r = route_half(kind, c, mode, available)
+            assert r.backend == "reference" and why in r.reason and name in r.reason, r
+        for bad, why in ((half_call(kind, 4096, on_gpu=False), "GPU"),
+                         (half_call(kind, 4096, EchoConfig(bits=16)), "bits=16"),
+                         (half_call(kind, 4096, EchoConfig(state_dtype="float64")), "float64"),
+                         (half_call(kind, 4096, tensor_unfit="dtype torch.int8"), "int8")):
+            for mode in ("auto", "p2p"):
+                r = route_half(kind, bad, mode, FAST)
+                assert r.backend == "reference" and why in r.reason, (mode, r)
+        # a chunk of 300 values is not whole 128-value groups: the kernels' own reason
+        x = torch.zeros(2 * 300 if kind == "reduce_scatter" else 300, dtype=torch.bfloat16)
+        unfit = supported_half(kind, x, DEFAULT, 2)
+        assert unfit is not None and "whole number" in unfit, unfit
+        r = route_half(kind, half_call(kind, 300, tensor_unfit=unfit), "auto", FAST)
+        assert r.backend == "reference" and "whole number of 128-value groups" in r.reason, r
     with pytest.raises(ValueError, match="kind"):
-        route_half("broadcast")
+        route_half("broadcast", half_call("all_gather", 128))
+    with pytest.raises(ValueError, match="mode"):
+        route_half("all_gather", half_call("all_gather", 128), "fastest", FAST)
+
+
+class _HalfRecorder(_Recorder):
+    def reduce_scatter(self, x, cfg, *, state, backward, route=None):
+        self.calls.append(("reduce_scatter", route))
+        return x[: x.numel() // 2]
+
+    def all_gather(self, x, cfg, *, state, backward, route=None):
+        self.calls.append(("all_gather", route))
+        return torch.cat([x, x])
+
+
+def test_dispatcher_routes_the_halves_and_logs_once(caplog):
+    """CPU halves route to the reference (cached, logged once per decision); a route to p2p
+    (as a GPU call's) reaches the p2p backend's half with its route; the simulated
+    communicator's halves go to its one backend, saying why."""
+    backends = {n: _HalfRecorder(n) for n in ("reference", "p2p")}
+    d = Dispatcher(backends, 2, mode="auto", available={"p2p": None},
+                   device=torch.device("cpu"))
+    x = torch.zeros(1024, dtype=torch.bfloat16)
+    with caplog.at_level("INFO", logger="echo_tp.collective.dispatch"):
+        for _ in range(3):
+            for kind in routing.HALVES:
+                d.run_half(kind, x, DEFAULT, state=None, backward=False)
+    assert [k for k, _ in backends["reference"].calls] == list(routing.HALVES) * 3
+    assert all(r.backend == "reference" and "GPU" in r.reason
+               for _, r in backends["reference"].calls)
+    assert sum("-> reference" in m for m in caplog.messages) == 2    # once per kind
+    assert len(d._routes) == 2 and d.last_backend == "reference"
+    p2p = route_half("reduce_scatter", half_call("reduce_scatter", 512), "auto", FAST)
+    d.route_half = lambda kind, x, cfg, state=None: p2p            # the route a CUDA x gets
+    y = d.run_half("reduce_scatter", x, DEFAULT, state=None, backward=False)
+    assert backends["p2p"].calls == [("reduce_scatter", p2p)] and y.numel() == 512
+    assert d.last_backend == "p2p" and d.last_route is p2p
     sim = SimulatedCommunicator(2)
+    caplog.clear()
     with caplog.at_level("INFO", logger="echo_tp.collective.dispatch"):
         for _ in range(2):
             sim.reduce_scatter(torch.zeros(2, 256))
-    assert sum("reduce_scatter calls -> reference" in m for m in caplog.messages) == 1
+    assert sum("reduce_scatter calls" in m and "-> reference" in m
+               for m in caplog.messages) == 1
     assert sim.dispatcher.last_route.backend == "reference"   # simulated: its transport
     assert sim.dispatcher.last_backend == "simulated"

@@ -11,7 +11,9 @@ reference, on the CPU under TRITON_INTERPRET=1 (issue 20 item 4). Compared bit f
     no state / the paper's fp32 pair / the default single bf16 tensor, forward and backward
     (the power of two over the group); chunks of 3 groups in tiles of 2 (a partial tile per
     segment);
-  * kernels.allreduce_plan.supported_half: which calls the kernels refuse, and why.
+  * kernels.allreduce_plan.supported_half: which calls the kernels refuse, and why;
+  * kernels.allreduce_plan.next_call (the p2p halves' pair of workspaces used in turn): each
+    call bumps the pair's epoch once and points the table at workspace epoch % 2.
 The GPU forms (compiled, larger sizes, P up to 8): tests/test_kernels_gpu.py -k halves.
 One tolerance: any NaN matches any NaN (payloads). When y differs, look first at
 allreduce_kernels._reduce_tile's HALF branches (the y store at e - RANK*seg; the division by
@@ -35,7 +37,7 @@ from echo_tp.collective.sharded import (compensated_all_gather,  # noqa: E402
 from echo_tp.collective.simulated import SimTransport  # noqa: E402
 from echo_tp.compensator import CompState  # noqa: E402
 from echo_tp.config import EchoConfig  # noqa: E402
-from echo_tp.kernels.allreduce_plan import supported_half  # noqa: E402
+from echo_tp.kernels.allreduce_plan import next_call, supported_half  # noqa: E402
 from echo_tp.kernels.simulated_fused import SimulatedFused  # noqa: E402
 
 SEED = int(os.environ.setdefault("ECHO_TEST_SEED", str(int.from_bytes(os.urandom(4), "little"))))
@@ -120,3 +122,17 @@ def test_supported_half_says_why():
         supported_half("all_reduce", torch.zeros(M), cfg, P)
     with pytest.raises(ValueError, match="whole number"):
         SimulatedFused(2).all_gather(torch.zeros(2, 200), cfg, state=None)
+
+
+@pytest.mark.parametrize("P", [2, 4, 8])
+def test_next_call_alternates_the_half_workspaces(P):
+    """epoch += 1 and table = tables[epoch % 2] on every call, P + 1 words (the P buffers and
+    the error record), nothing else written."""
+    tables = torch.randint(1, 1 << 40, (2, P + 1), dtype=torch.int64)
+    table = torch.full((P + 2,), -1, dtype=torch.int64)       # one guard word after the table
+    epoch = torch.zeros(1, dtype=torch.int64)
+    for call in range(5):
+        next_call(epoch, tables, table[:P + 1])
+        assert int(epoch) == call + 1
+        assert torch.equal(table[:P + 1], tables[(call + 1) % 2]), call
+        assert int(table[P + 1]) == -1

@@ -4,8 +4,8 @@ this module builds the backends a group can have and runs the call on the one pi
     'auto' on an intra-node GPU group:  oneshot | p2p | plain | reference (routing.route)
     'auto' elsewhere (CPU/gloo, multi-node), or 'reference':  the reference for every call
     'p2p':  p2p for every call its kernels can take (an error at build if it cannot run)
-    reduce-scatter / all-gather calls (any mode): the reference (routing.route_half; the stage
-        kernels run them only in simulation, collective/simulated.FusedSimBackend)
+    reduce-scatter / all-gather calls (routing.route_half): p2p under 'auto' and 'p2p' for every
+        quantized GPU call the stage kernels take, the reference for the rest
 
 A block boundary's residual add (comm.all_reduce_add_rmsnorm) goes into the call where the
 route's backend adds it where y is decoded (`adds_residual`: p2p); `adds_residual(x, cfg)` says
@@ -17,6 +17,7 @@ decision is logged once at INFO with its reason (the table entry and record behi
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -53,12 +54,12 @@ class TransportBackend:
                                   record=record)
 
     def reduce_scatter(self, x: torch.Tensor, cfg: EchoConfig, *, state: CompState | None,
-                       backward: bool) -> torch.Tensor:
+                       backward: bool, route: Route | None = None) -> torch.Tensor:
         """x [*B, P*m] -> this rank's chunk of the sum [*B, m] (collective/sharded.py)."""
         return compensated_reduce_scatter(x, cfg, self.transport, state=state, backward=backward)
 
     def all_gather(self, x: torch.Tensor, cfg: EchoConfig, *, state: CompState | None,
-                   backward: bool) -> torch.Tensor:
+                   backward: bool, route: Route | None = None) -> torch.Tensor:
         """x [*B, m] -> every rank's shard in rank order [*B, P*m] (collective/sharded.py)."""
         return compensated_all_gather(x, cfg, self.transport, state=state, backward=backward)
 
@@ -87,7 +88,8 @@ class PlainBackend:
 
 class Dispatcher:
     """backends: name (routing.BACKENDS) -> backend, 'reference' among them. Routes are cached
-    per (numel, dtype, device, layout, config, capture state)."""
+    per (numel, dtype, device, layout, config, capture state); the halves' also per kind and
+    whether the call has compensator state."""
 
     def __init__(self, backends: dict, world_size: int, *, mode: str = "reference",
                  available: dict[str, str | None] | None = None,
@@ -150,15 +152,48 @@ class Dispatcher:
         return b.run(x, cfg, state=state, backward=backward, record=record, inplace=inplace,
                      **kw)
 
+    def route_half(self, kind: str, x: torch.Tensor, cfg: EchoConfig,
+                   state: CompState | None = None) -> Route:
+        """The routing decision for a reduce-scatter or all-gather (kind) of x under cfg, with
+        the compensator state or without (cached)."""
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        key = (kind, x.numel(), x.dtype, x.device, x.dim() == 1 and x.is_contiguous(), cfg,
+               capturing, state is None)
+        r = self._routes.get(key)
+        if r is None:
+            call = routing.Call.of(x.numel(), x.element_size(), cfg, self.world_size,
+                                   on_gpu=x.is_cuda, capturing=capturing,
+                                   tensor_unfit=self._half_unfit(kind, x, cfg, state))
+            if state is None:
+                call = dataclasses.replace(call, state_bytes=0)     # an uncompensated call
+            r = self._routes[key] = routing.route_half(kind, call, self.mode, self.available,
+                                                       self.tables)
+            if r.backend not in self.backends:      # a route to a backend this group lacks
+                r = self._routes[key] = Route("reference", f"{r.backend} not built: {r.reason}")
+            if (kind, r.backend, r.reason) not in self._logged:
+                self._logged.add((kind, r.backend, r.reason))
+                log.info("echo-tp: %d-bit %s calls of %d values -> %s: %s", cfg.bits, kind,
+                         x.numel(), r.backend, r.reason)
+        return r
+
+    def _half_unfit(self, kind: str, x: torch.Tensor, cfg: EchoConfig,
+                    state: CompState | None) -> str | None:
+        """Why the p2p kernels cannot take this half (routing.tensor_unfit, then
+        kernels/allreduce_plan.supported_half where the group has the p2p backend)."""
+        if not x.is_cuda or self.device is None:
+            return "not on a GPU"
+        why = routing.tensor_unfit(x, self.device)
+        if why is None and cfg.quantized and "p2p" in self.backends:
+            from ..kernels.allreduce_plan import supported_half    # triton: p2p was built
+            why = supported_half(kind, x, cfg, self.world_size, state)
+        return why
+
     def run_half(self, kind: str, x, cfg, *, state, backward):
-        """A reduce-scatter or all-gather (kind): routing.route_half picks the backend."""
-        r = routing.route_half(kind)
-        if (kind, r.backend) not in self._logged:
-            self._logged.add((kind, r.backend))
-            log.info("echo-tp: %s calls -> %s: %s", kind, r.backend, r.reason)
+        """A reduce-scatter or all-gather (kind): route_half picks the backend and plan."""
+        r = self.route_half(kind, x, cfg, state)
         b = self.backends[r.backend]
         self.last_backend, self.last_route = b.name, r
-        return getattr(b, kind)(x, cfg, state=state, backward=backward)
+        return getattr(b, kind)(x, cfg, state=state, backward=backward, route=r)
 
     def close(self) -> None:
         for b in self.backends.values():

@@ -1,4 +1,5 @@
-"""Intra-node fast path: the fused compensated all-reduce over CUDA symmetric memory.
+"""Intra-node fast path: the fused compensated all-reduce, and its two halves, over CUDA
+symmetric memory.
 
 The dispatcher asks collective/routing.py whether a call comes here and with which kernel plan
 (`Route`: form, tile, step, warps, overlap); this backend runs it:
@@ -13,6 +14,15 @@ With `residual=` (a block boundary: comm.all_reduce_add_rmsnorm) the kernels tha
 reduce's own segment, the tail) write residual + y instead, torch's `residual + y` bit for bit,
 so the boundary's add costs no pass of its own (the state updates still read y).
 
+The halves (sequence parallelism; routing.route_half; unfused equivalent
+collective/sharded.py) run the stage kernels on the layout of the all-reduce of P*m values
+(kernels/allreduce_plan.py), always staged:
+
+    reduce_scatter  x [P*m] -> y [m]      epoch += 1, entry, then reduce (HALF=1)
+    all_gather      x [m]   -> y [P*m]    epoch += 1, encode, then tail over all P owners
+
+each kind on two workspaces per layout of its own, used in turn (`_HalfWorkspaces` says why).
+
 Everything runs on the current stream without a host synchronization, so calls are CUDA-graph
 safe (warm each call signature up eagerly before capture). Backward calls with grad_scaling add
 one kernel for the local max |x'| and the reference's `grad_scale` (one scalar MAX all-reduce
@@ -21,7 +31,8 @@ DistTransport) for the same inputs, state and config; calls with record=True (te
 the reference itself. Waits are bounded by ECHO_FLAG_TIMEOUT_S: a timed-out kernel writes
 (rank, stage, tile, peer) to pinned host memory and the next call raises RuntimeError
 (`check_error()` syncs and raises at once). Buffers (kernels/allreduce_plan.Layout) live in
-symmetric memory (collective/symm.py), one per (dtype, quantizer, P, segment, form, tile).
+symmetric memory (collective/symm.py), one per (dtype, quantizer, P, segment, form, tile); the
+halves' two per (kind, dtype, quantizer, P, segment, tile).
 """
 from __future__ import annotations
 
@@ -55,8 +66,51 @@ class _Workspace(SymmetricBuffer):
         self.ticket = torch.zeros(2, dtype=torch.int64, device=device)   # reduce_tail_kernel
 
 
+class _HalfWorkspaces:
+    """The two workspaces of one layout and kind of the halves, used in turn: call k of the
+    pair has epoch k+1 and runs on workspace (k+1) % 2. `advance` (flags.next_call_kernel)
+    bumps the pair's one epoch counter and points `table` at the call's workspace on the
+    device, so a CUDA graph that captured an odd number of calls alternates on replay too.
+
+    Why two. Every stage kernel stores only into the peers' buffers (and the own) and reads
+    only its own; slot s of a buffer is only ever written by rank s. A half's readers wait for
+    flags: the reduce-scatter's reduce for recv[s][t] of the P-1 peers s, the all-gather's tail
+    for gath[j][t] of all P owners j (the own one included), every tile t; its writers (the
+    reduce-scatter's entry, the all-gather's encode) wait for nothing. So on one workspace, a
+    rank's next call of the kind could store into a peer's slot while that peer still reads
+    it for the previous call: unlike the all-reduce's, a half alone is not a round trip.
+    With two: rank r starts call k+2 (on the workspace of call k) only after it finished call
+    k+1 (stream order). Its last kernel of call k+1 saw, in every tile, the flag of call k+1 of
+    every peer it reads from, which is every peer; so every peer has started call k+1 and, in
+    its own stream order, finished call k, its reads of that workspace included. Call k+2's
+    stores there meet no reader of call k; call k+1 ran on the other workspace. Flags: those of
+    a workspace are only set by its own calls, with epochs of one parity that only grow, so a
+    stale flag (epoch - 2 or less) never satisfies a wait; both start zeroed behind a barrier.
+    Nothing else is needed: the all-gather's own gather slot is written by this rank's encode
+    and read by its own tail (stream order; the tail's wait on it passes at once), the
+    reduce-scatter's own chunk goes through no slot. What the argument assumes, as the
+    all-reduce's: each rank's calls on one stream, the same calls on every rank, and waits that
+    saw their flags; a timed-out wait (ECHO_FLAG_TIMEOUT_S) gave up without, but left the error
+    record, so the calls after it raise (`raise_if_set`)."""
+
+    def __init__(self, lay, group, rank: int, device, err: torch.Tensor):
+        from ..kernels.allreduce_plan import next_call
+        self._next_call = next_call
+        self.lay = lay
+        self.bufs = [SymmetricBuffer(lay.nbytes, lay.flags_off, group, rank, lay.world_size,
+                                     device, err) for _ in range(2)]
+        self.tables = torch.stack([b.table for b in self.bufs])      # [2, P+1] int64
+        self.table = self.tables[0].clone()                           # [P+1]: this call's
+        self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
+
+    def advance(self) -> None:
+        """A new call: epoch += 1, table = tables[epoch % 2] (one launch, no host sync)."""
+        self._next_call(self.epoch, self.tables, self.table)
+
+
 class P2PBackend:
-    """Runs the calls routed to 'p2p' (`run`); `close` drops the buffers."""
+    """Runs the calls routed to 'p2p' (`run`, `reduce_scatter`, `all_gather`); `close` drops
+    the buffers."""
 
     name = "p2p"
     adds_residual = True
@@ -110,28 +164,61 @@ class P2PBackend:
             self._launch(plan, lambda: plan.tail(y))
         return y, None
 
+    def reduce_scatter(self, x: torch.Tensor, cfg: EchoConfig, *, state: CompState | None,
+                       backward: bool, route: Route) -> torch.Tensor:
+        """x [P*m] -> this rank's chunk of the sum, y [m] in x's dtype; state (m1, m2 [P*m])
+        updated in place: sharded.compensated_reduce_scatter over DistTransport, bit for bit
+        (route: routing.route_half's, staged)."""
+        plan, _, y = self.prepare(x, cfg, route, state=state, backward=backward,
+                                  half="reduce_scatter")
+        plan.entry()
+        self._launch(plan, lambda: plan.reduce(y))
+        return y
+
+    def all_gather(self, x: torch.Tensor, cfg: EchoConfig, *, state: CompState | None,
+                   backward: bool, route: Route) -> torch.Tensor:
+        """x [m] (this rank's shard) -> y [P*m], every shard in rank order, the same on every
+        rank; state (m1, m2 [m]) updated in place: sharded.compensated_all_gather over
+        DistTransport, bit for bit (route: routing.route_half's, staged)."""
+        plan, _, y = self.prepare(x, cfg, route, state=state, backward=backward,
+                                  half="all_gather")
+        plan.encode()
+        self._launch(plan, lambda: plan.tail(y))
+        return y
+
     def prepare(self, x: torch.Tensor, cfg: EchoConfig, route: Route, *,
-                state: CompState | None, backward: bool, residual: torch.Tensor | None = None):
+                state: CompState | None, backward: bool, residual: torch.Tensor | None = None,
+                half: str | None = None):
         """A call's launch plan, workspace and output, epochs bumped (benchmarks time the
         stages of the plan one by one) -> (CallPlan, workspace, y; residual + y with
-        residual)."""
+        residual). half: 'reduce_scatter' (y [m] of x [P*m]) or 'all_gather' (y [P*m] of
+        x [m]) on the kind's workspace pair, the call's workspace picked."""
         self._flags.raise_if_set(self._err, self._err_np)
-        why = self._plan.supported(x, cfg, state, residual)
-        if why is not None:
-            raise ValueError(f"p2p backend cannot run this call: {why}")
+        P = self.world_size
+        why = self._plan.supported(x, cfg, state, residual) if half is None else \
+            self._plan.supported_half(half, x, cfg, P, state)
         fused = route.form == "fused"
-        ws = self._workspace(x, cfg, fused, route.tile)
+        if why is None and half is not None and fused:
+            why = "the halves run the stage kernels only (route form 'staged')"
+        if why is not None:
+            raise ValueError(f"p2p backend cannot run this {half or 'all_reduce'}: {why}")
+        ws = self._workspace(x, cfg, fused, route.tile, half)
         fs = None
         if backward and cfg.grad_scaling:
             fs = grad_scale(self._plan.local_amax(x, state, cfg), self.transport)   # [1]
-        if not fused:
+        if half is not None:
+            ws.advance()
+        elif not fused:
             ws.epoch.add_(1)
         plan = self._plan.CallPlan(rank=self.rank, lay=ws.lay, cfg=cfg, x=x, state=state, fs=fs,
                                    epoch=ws.epochs if fused else ws.epoch, table=ws.table,
                                    timeout=self._timeout_units(), use_timer=self.use_timer,
                                    num_warps=route.num_warps, step_elems=route.step,
-                                   residual=residual)
-        return plan, ws, torch.empty_like(x)
+                                   residual=residual, half=half)
+        if half is None:
+            return plan, ws, torch.empty_like(x)
+        n = x.numel()
+        return plan, ws, x.new_empty(n // P if half == "reduce_scatter" else n * P)
 
     def close(self) -> None:
         self._ws.clear()
@@ -143,18 +230,23 @@ class P2PBackend:
         self._flags.raise_if_set(self._err, self._err_np)
 
     # ----- helpers -----
-    def _workspace(self, x: torch.Tensor, cfg: EchoConfig, fused: bool,
-                   tile: int) -> _Workspace:
+    def _workspace(self, x: torch.Tensor, cfg: EchoConfig, fused: bool, tile: int,
+                   half: str | None = None) -> _Workspace | _HalfWorkspaces:
+        """The all-reduce's workspace of x's layout (half None), or the pair of the half's
+        kind on the layout of its P*m values."""
         spec = cfg.quant_spec()
-        call_key = (x.numel(), x.dtype, spec, fused, tile)
+        numel = x.numel() * (self.world_size if half == "all_gather" else 1)
+        call_key = (half, numel, x.dtype, spec, fused, tile)
         ws = self._ws_by_call.get(call_key)
         if ws is None:
-            lay = self._plan.Layout.build(x.numel(), self.world_size, spec, tile)
-            key = (x.dtype, spec, lay.seg, fused, tile)      # calls of one layout share it
+            lay = self._plan.Layout.build(numel, self.world_size, spec, tile)
+            key = (half, x.dtype, spec, lay.seg, fused, tile)   # calls of one layout share it
             ws = self._ws.get(key)
             if ws is None:
-                ws = self._ws[key] = _Workspace(lay, self.group, self.rank, self.device,
-                                                self._err, self.programs if fused else 0)
+                ws = self._ws[key] = (
+                    _Workspace(lay, self.group, self.rank, self.device, self._err,
+                               self.programs if fused else 0) if half is None else
+                    _HalfWorkspaces(lay, self.group, self.rank, self.device, self._err))
             self._ws_by_call[call_key] = ws
         return ws
 

@@ -1,6 +1,7 @@
-"""Which backend and which kernel run one all-reduce call, and why: one pure function.
+"""Which backend and which kernel run one call, and why: one pure function per kind.
 
-    route(call, mode, available, tables) -> Route
+    route(call, mode, available, tables) -> Route                  the all-reduce
+    route_half(kind, call, mode, available, tables) -> Route       reduce-scatter, all-gather
 
 `call` says what matters of the call (bytes per rank, bits, compensator state bytes, P, whether
 the p2p kernels can take the tensor at all, CUDA graph capture), `available` which fast
@@ -14,15 +15,18 @@ mode 'auto' on an intra-node GPU group, in this order:
     reference  everything else (CPU tensors, groups without the fast path): the quantized
                algorithm over torch.distributed
 
-Reduce-scatter and all-gather calls (route_half) all go to the reference on real ranks (the
-stage kernels run them in simulation: collective/simulated.FusedSimBackend).
+Reduce-scatter and all-gather calls (route_half; sequence parallelism) go to p2p under modes
+'auto' and 'p2p' wherever the stage kernels take them (quantized GPU calls whose chunks are
+whole quantization groups: kernels/allreduce_plan.supported_half), staged, at every size and
+in graph capture alike; everything else to the reference (at bits=16 the transport's plain
+reduce-scatter / all-gather, NCCL's on GPUs).
 Mode 'p2p' sends every call the kernels can take to p2p (the rest to the reference); mode
 'reference' sends all to the reference. A p2p route also fixes the kernel form ('fused': one
 kernel; 'staged': entry, reduce, tail), the tile shape and the reduce/tail overlap.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -148,26 +152,45 @@ def route(call: Call, mode: str = "auto", available: dict[str, str | None] | Non
 HALVES = ("reduce_scatter", "all_gather")
 
 
-def route_half(kind: str) -> Route:
-    """The backend of a reduce-scatter or all-gather call (sequence parallelism): the reference
-    algorithm (collective/sharded.py) over the group's transport, in every mode and at every
-    size. At bits=16 that is the transport's own plain collective (NCCL's reduce-scatter /
-    all-gather on GPUs).
+def route_half(kind: str, call: Call, mode: str = "auto",
+               available: dict[str, str | None] | None = None,
+               tables: tuning.Tables = tuning.DEFAULT) -> Route:
+    """The backend and kernel plan of a reduce-scatter or all-gather call (sequence
+    parallelism). call: the Call of the input x (P*m values for the reduce-scatter, the own
+    m-value shard for the all-gather), its tensor_unfit also saying why the kernels cannot
+    take this half (kernels/allreduce_plan.supported_half: a chunk that is not a whole number
+    of quantization groups, ...). available, tables: as route's.
 
-    The stage kernels do run the halves (kernels/allreduce_plan.py: CallPlan(half=...), exact
-    against the reference in simulation), but p2p.P2PBackend does not take them yet: a half
-    alone is not a round trip. In the all-reduce a rank's next call cannot overwrite a peer's
-    slot before the peer has read it, because its tail waited for every peer's reduce, which
-    read the slots first; after a reduce-scatter (or an all-gather) nothing tells a rank that
-    its peers have read what it pushed, so two halves of one kind back to back on one
-    workspace could overwrite a slot still being read. Real ranks need two workspaces per
-    layout and kind, used in turn (a rank that finished call k+1 knows every peer finished
-    call k), before this can route to p2p."""
+    p2p (P2PBackend.reduce_scatter / all_gather) under modes 'auto' and 'p2p' on a group with
+    the p2p backend, for every quantized GPU call the kernels take, at every size and inside
+    graph capture alike (no crossover is measured for the halves; the reference half is the
+    quantized algorithm over torch.distributed, not a 16-bit NCCL call): staged (entry +
+    reduce, encode + tail), overlap 'off', the tile shape of the all-reduce of P*m values
+    (whose segments are the m-value chunks). Everything else the reference algorithm
+    (collective/sharded.py) over the group's transport, with the reason; at bits=16 that is
+    the transport's plain reduce-scatter / all-gather (NCCL's on GPUs)."""
     if kind not in HALVES:
         raise ValueError(f"kind must be one of {HALVES}, got {kind!r}")
-    return Route("reference", f"{kind.replace('_', '-')}: the p2p backend does not run the "
-                              "halves yet, so the reference algorithm over the group's "
-                              "transport")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    name = kind.replace("_", "-")
+    p2p_why = (available or {}).get("p2p", "not built")
+    if mode == "reference":
+        return Route("reference", f"{name}: backend 'reference' was asked for")
+    if p2p_why is not None:
+        return Route("reference", f"{name}: no fast path: {p2p_why}")
+    if not call.on_gpu:
+        return Route("reference", f"{name}: the tensor is not on this rank's GPU")
+    if call.bits == 16:
+        return Route("reference", f"{name}: bits=16 is the transport's plain {name}")
+    unfit = call.tensor_unfit or call.config_unfit
+    if unfit is not None:
+        return Route("reference", f"{name}: the p2p kernels cannot take it: {unfit}")
+    numel = call.numel * (call.world_size if kind == "all_gather" else 1)      # P*m
+    layout = replace(call, numel=numel, nbytes=call.nbytes // max(1, call.numel) * numel)
+    why = "backend 'p2p' was asked for" if mode == "p2p" else \
+        "the stage kernels take it (every size: the alternative is the quantized reference)"
+    return p2p_route(layout, tables, f"{name}: {why}", form="staged", overlap="off")
 
 
 def p2p_route(call: Call, tables: tuning.Tables, reason: str, *, form: str | None = None,

@@ -74,7 +74,10 @@ class FusedSimBackend:
     the reference: tests/test_p2p_gpu.py), with the tile shape the routing policy picks for a
     real group of this size. The reduce-scatter and all-gather halves likewise (entry, reduce
     without requantization / encode, tail: bit-identical to collective/sharded.py,
-    tests/test_sharded_kernels.py), on the layout of the all-reduce of the same P*m values.
+    tests/test_sharded_kernels.py), on the layout of the all-reduce of the same P*m values,
+    as collective/p2p.P2PBackend runs them on real ranks (there on two workspaces per layout
+    and kind, used in turn; here the stages of every virtual rank run one after the other, so
+    one is enough).
     Everything else goes to `reference` (a TransportBackend over SimTransport, the same bits):
     CPU tensors, bits=16, telemetry (the kernels leave no StepRecord), and calls the kernels
     do not take (kernels.allreduce_plan.supported; for the halves supported_half: chunks of a
@@ -101,13 +104,13 @@ class FusedSimBackend:
                                       inplace=inplace)
         return self._sim(x, cfg)(x, cfg, state=state, backward=backward), None
 
-    def reduce_scatter(self, x, cfg, *, state, backward):
+    def reduce_scatter(self, x, cfg, *, state, backward, route=None):
         """x [P, P*m] -> [P, m] (collective/sharded.py's semantics)."""
         if not self._half_fits("reduce_scatter", x, cfg, state):
             return self.reference.reduce_scatter(x, cfg, state=state, backward=backward)
         return self._sim(x, cfg).reduce_scatter(x, cfg, state=state, backward=backward)
 
-    def all_gather(self, x, cfg, *, state, backward):
+    def all_gather(self, x, cfg, *, state, backward, route=None):
         """x [P, m] -> [P, P*m] (collective/sharded.py's semantics)."""
         if not self._half_fits("all_gather", x, cfg, state):
             return self.reference.all_gather(x, cfg, state=state, backward=backward)

@@ -28,6 +28,7 @@ from ..compensator import CompState
 from ..config import CompensatorConstants, EchoConfig, QuantSpec
 from .allreduce_kernels import (amax_kernel, entry_kernel, fused_kernel, reduce_kernel,
                                 reduce_tail_kernel, tail_kernel)
+from .flags import next_call_kernel
 from .launcher import launch
 from .quant_kernels import DTYPE_KIND, LAUNCH_OPTS, spec_constexprs
 
@@ -268,6 +269,16 @@ class CallPlan:
                (*ptrs, y, res, self._fs(), self.epoch, self.table, *scal, self.timeout, *consts),
                dict(**meta, **per["fused"], USE_TIMER=self.use_timer, ADD=add,
                     num_warps=self.num_warps, **self._stages()))
+
+
+def next_call(epoch: torch.Tensor, tables: torch.Tensor, table: torch.Tensor) -> None:
+    """Start a call on a pair of workspaces used in turn: epoch [1] int64 += 1, then table
+    [P+1] = tables[epoch % 2] (tables [2, P+1] int64, the two workspaces' pointer tables).
+    One launch of flags.next_call_kernel; unfused: `epoch.add_(1); table.copy_(tables[epoch %
+    2])` (with a host read). On the device, so graph replays keep alternating."""
+    words = table.numel()
+    launch(next_call_kernel, (1,), (epoch, tables, table),
+           dict(WORDS=words, BLOCK=triton.next_power_of_2(words), num_warps=1))
 
 
 def local_amax(x: torch.Tensor, state: CompState | None, cfg: EchoConfig,

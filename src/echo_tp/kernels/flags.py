@@ -2,8 +2,10 @@
 
 Flags are int64 words in a rank's symmetric buffer whose values only grow: call k of a
 workspace writes and waits for the value k (the epoch, a device counter the host bumps with one
-`add_` per call, so CUDA-graph replays advance it too). A flag is never cleared, so no stage
-ever has to reset one, and a stale value from call k-1 can never satisfy call k.
+`add_` per call, so CUDA-graph replays advance it too; a pair of workspaces used in turn, the
+p2p halves', shares one counter bumped by `next_call_kernel`, which also picks the call's
+workspace). A flag is never cleared, so no stage ever has to reset one, and a stale value from
+an earlier call can never satisfy a later one.
 
     signal(ptr, epoch)   after a CTA barrier: one thread stores epoch with release, system scope
     wait_geq(ptr, epoch) one thread polls with acquire loads (atomic add of 0, system scope)
@@ -80,6 +82,19 @@ def wait_geq(flag_ptr, wanted, abort_ptr, err_ptr, rank, stage, tile, peer, time
             tl.atomic_xchg(err_ptr, zero64 + 1, sem="release", scope="sys")
     tl.debug_barrier()
     return ok
+
+
+@triton.jit
+def next_call_kernel(epoch_ptr, tables_ptr, table_ptr, WORDS: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    """One new call of a pair of workspaces used in turn (the p2p halves): epoch += 1, then
+    table [WORDS] = tables[epoch % 2] (tables [2, WORDS] int64: each workspace's pointer
+    table). One program; on the device, so CUDA-graph replays alternate too."""
+    ep = tl.load(epoch_ptr) + 1
+    i = tl.arange(0, BLOCK)
+    m = i < WORDS
+    tl.store(table_ptr + i, tl.load(tables_ptr + (ep % 2) * WORDS + i, mask=m), mask=m)
+    tl.store(epoch_ptr, ep)
 
 
 @triton.jit
