@@ -136,3 +136,71 @@ def test_next_call_alternates_the_half_workspaces(P):
         assert int(epoch) == call + 1
         assert torch.equal(table[:P + 1], tables[(call + 1) % 2]), call
         assert int(table[P + 1]) == -1
+
+
+def _concurrent_half_rank(rank, P, kind, bufs, errs, xs, ys, m1s, m2s, cfg):
+    """One rank in its own process, as P2PBackend runs a half: a pair of workspaces (bufs[w]
+    [P] shared byte buffers) used in turn through next_call, calls of one kind back to back
+    with no barrier; one rank per call is slow to read (it sleeps between its writing stage
+    and its reading one), so a fast peer's next call would overwrite what it still reads if
+    both calls shared one workspace."""
+    import time
+
+    from echo_tp.kernels import allreduce_plan as ap
+    torch.set_num_threads(1)
+    n_lay = xs.shape[-1] * (P if kind == "all_gather" else 1)
+    lay = ap.Layout.build(n_lay, P, cfg.quant_spec(), tile_elems=2 * G)
+    tables = torch.stack([torch.tensor([b.data_ptr() for b in bufs[w]] + [errs[rank].data_ptr()])
+                          for w in range(2)])                          # [2, P+1]
+    table = tables[0].clone()
+    epoch = torch.zeros(1, dtype=torch.int64)
+    state = CompState(m1s[rank], m2s[rank])
+    first, second = ("entry", "reduce") if kind == "reduce_scatter" else ("encode", "tail")
+    for call in range(xs.shape[0]):
+        next_call(epoch, tables, table)
+        plan = ap.CallPlan(rank=rank, lay=lay, cfg=cfg, x=xs[call, rank], state=state, fs=None,
+                           epoch=epoch, table=table, timeout=300_000, use_timer=False,
+                           num_warps=4, step_elems=G, half=kind)
+        getattr(plan, first)()
+        time.sleep(2.0 if rank == call % P else 0.0)           # this rank reads late
+        getattr(plan, second)(ys[call, rank])
+
+
+@pytest.mark.parametrize("kind", ["reduce_scatter", "all_gather"])
+def test_half_calls_back_to_back_in_concurrent_processes(kind):
+    """The double-buffered halves with real concurrency: P=3 processes share their buffers (as
+    symmetric memory would), 4 calls of one kind back to back, one slow reader per call; every
+    rank's y and state equal the reference's, call after call (collective/p2p._HalfWorkspaces
+    gives the argument). With both tables pointing at one workspace it fails for both kinds
+    (checked when it was written: a fast rank's next call overwrites the slow reader's slots)."""
+    import torch.multiprocessing as mp
+
+    from echo_tp.kernels import allreduce_plan as ap
+    from echo_tp.kernels.flags import describe_error
+    P, calls = 3, 4
+    cfg = EchoConfig()                                  # the default: one bf16 state tensor
+    n = P * M if kind == "reduce_scatter" else M
+    lay = ap.Layout.build(n * (P if kind == "all_gather" else 1), P, cfg.quant_spec(),
+                          tile_elems=2 * G)
+    bufs = [[torch.randint(0, 256, (lay.nbytes,), dtype=torch.uint8).share_memory_()
+             for _ in range(P)] for _ in range(2)]
+    for pair in bufs:
+        for b in pair:
+            lay.flag_words(b).zero_()
+    errs = [torch.zeros(8, dtype=torch.int64).share_memory_() for _ in range(P)]
+    gen = torch.Generator().manual_seed(SEED + 7)
+    xs = torch.stack([_input(P, n, torch.bfloat16, False, gen) for _ in range(calls)])
+    xs = xs.share_memory_()
+    out = n // P if kind == "reduce_scatter" else n * P
+    ys = torch.empty(calls, P, out, dtype=torch.bfloat16).share_memory_()
+    m1s = torch.zeros(P, n, dtype=torch.bfloat16).share_memory_()
+    mp.start_processes(_concurrent_half_rank, args=(P, kind, bufs, errs, xs, ys, m1s, m1s, cfg),
+                       nprocs=P, start_method="spawn")
+    for r in range(P):
+        assert describe_error(errs[r]) is None, describe_error(errs[r])
+    ref = CompState.zeros((P, n), "cpu", torch.bfloat16, compact=True)
+    fn = compensated_reduce_scatter if kind == "reduce_scatter" else compensated_all_gather
+    for call in range(calls):
+        want = fn(xs[call], cfg, SimTransport(P), state=ref)
+        assert_bits_equal(ys[call], want, f"y call={call}")
+    assert_bits_equal(m1s, ref.m1, "state")
