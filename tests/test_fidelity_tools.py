@@ -14,6 +14,7 @@ import torch
 from echo_tp.config import EchoConfig
 from echo_tp.eval import main as eval_main
 from echo_tp.eval.lastword import target_spans, token_classes, word_hits
+from echo_tp.eval.perplexity import format_table
 from echo_tp.eval.stats import gap_closed_table, paired_difference
 from echo_tp.models import build_meta_model, build_tokenizer, init_weights, resolve_model_config
 from echo_tp.models.rotate import orthogonal_matrix, rotate_hidden
@@ -194,6 +195,26 @@ def test_eval_reports_gap_intervals_last_word_and_telemetry_policy(tmp_path):
     with pytest.raises(ValueError, match="rotation"):
         eval_main(model=str(tmp_path / "hf"), data=str(tmp_path / "val.bin"), comms=["16"],
                   simulate=2, rotate=0, impl="transformers")
+
+
+def test_eval_kl_to_the_16_bit_model(tmp_path):
+    """eval --kl: each row's mean KL of its next-token distributions from a 16-bit copy of the
+    model; exactly 0 for the 16-bit row, 8-bit far below naive 4-bit; its interval holds it;
+    the table shows it; SP runs it too."""
+    g = torch.Generator().manual_seed(2)
+    write_tokens(torch.randint(1, 256, (700,), generator=g).numpy().astype("uint16"),
+                 tmp_path / "val.bin", vocab_size=256, meta={"eos_id": 0})
+    kw = dict(model="tiny-qwen3", data=str(tmp_path / "val.bin"), context=63, batch_size=4,
+              max_windows=6, simulate=2, progress=False, bos=True, kl=True)
+    rows = eval_main(comms=["16", "8", "4", "echo4"], **kw)
+    kl = {r["label"]: r["kl"] for r in rows}
+    assert kl["16"] == 0.0
+    assert 0 < kl["8"] < kl["4"] / 10 and kl["echo4"] > 0
+    assert all(r["kl_ci"][0] <= r["kl"] <= r["kl_ci"][1] for r in rows)
+    assert "KL vs 16-bit" in format_table(rows)
+    sp = eval_main(comms=["16", "4"], sequence_parallel=True, **kw)
+    assert sp[0]["kl"] == 0.0 and sp[1]["kl"] > 0
+    assert "KL" not in format_table(eval_main(comms=["16"], **{**kw, "kl": False}))
 
 
 def test_eval_sequence_parallel(tmp_path):

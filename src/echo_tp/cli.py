@@ -93,6 +93,9 @@ def _eval(sub):
                    "sequence-parallel: a reduce-scatter and an all-gather at each block boundary "
                    "(the all-gathers at the comm's gather_bits: 8 unless the spec says, e.g. "
                    "'echo4:gather_bits=0' for the sites' own width)")
+    p.add_argument("--kl", action="store_true", help="also the KL divergence of each config's "
+                   "next-token distributions from the 16-bit model's (a 16-bit copy of the model "
+                   "runs beside it)")
     p.add_argument("--out", default=None, help="JSON results file (with per-window NLLs)")
     p.add_argument("--no-progress", action="store_true")
     _tp_mode(p)
@@ -106,7 +109,7 @@ def _eval(sub):
              impl=a.model_impl, bos=a.bos or a.bos_id is not None, bos_id=a.bos_id,
              last_word=a.last_word, calibration_data=a.calibration_data,
              calibration_windows=a.calibration_windows, rotate=a.rotate,
-             sequence_parallel=a.sequence_parallel)
+             sequence_parallel=a.sequence_parallel, kl=a.kl)
     p.set_defaults(func=run)
 
 

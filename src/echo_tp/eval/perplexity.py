@@ -29,6 +29,12 @@ sequences and as serving starts a prompt: each window's T tokens are read after 
 (T + 1 positions); the BOS position's prediction is not scored, so exactly the same targets are
 scored as without BOS. The BOS id defaults to the token file's eos_id (its document separator,
 the BOS of GPT-2-style vocabularies), for a text file the tokenizer's <|endoftext|>.
+
+Fidelity to the 16-bit model (`kl`, `--kl`): a second copy of the model at 16 bits runs on the
+same batches, and each row gets the mean KL(p_16 || p_config) of the next-token distributions
+over the scored tokens with a bootstrap interval over windows. Perplexity change measures how
+the noise moves the targets' NLL; on a model far outside its training text the two can rank
+configs differently (studies/kl_probe.py, docs/results/2026-12-01-fidelity-testbed.md).
 """
 from __future__ import annotations
 
@@ -42,6 +48,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from echo_tp.config import EchoConfig
 from echo_tp.models import (ModelConfig, build_meta_model, build_tokenizer, init_weights,
                             load_hf_checkpoint, load_tokens, resolve_model_config)
 from echo_tp.models.tokenize import (DEFAULT_EOS, resolve_tokenizer_dir, separator_id,
@@ -52,7 +59,7 @@ from echo_tp.tp.policy import (average_wire_bits, gather_width, make_policy, tel
 from echo_tp.tp.runtime import launch, make_comm, rank_device
 
 from .lastword import target_spans, token_classes, word_hits
-from .stats import gap_closed_table, paired_difference
+from .stats import gap_closed_table, mean_per_token, paired_difference
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -89,6 +96,9 @@ class EvalOptions:
     sequence_parallel: bool = False
     """The project's Transformer sequence-parallel (tp/sequence.py): a reduce-scatter and an
     all-gather at each block boundary instead of the all-reduce."""
+    kl: bool = False
+    """Also the KL divergence of every config's next-token distributions from the 16-bit
+    model's (a second copy of the model at 16 bits runs beside it: twice the forwards)."""
 
 
 IMPLS = ("auto", "echo", "transformers")
@@ -180,14 +190,19 @@ class WindowScores:
     nll: torch.Tensor
     count: torch.Tensor
     correct: torch.Tensor
+    kl: torch.Tensor | None = None
+    """[W] float64: summed KL(reference || model) of the next-token distributions per window
+    (window_scores(reference=...)), else None."""
 
 
 @torch.inference_mode()
 def window_scores(model, tokens: torch.Tensor, windows, *, context: int, batch_size: int,
-                  device, bar=None, bos_id: int | None = None) -> WindowScores:
+                  device, bar=None, bos_id: int | None = None, reference=None) -> WindowScores:
     """Per-window NLL and per-token argmax hits over windows of `context` tokens (each read
-    after a BOS token when bos_id is given; its position is not scored)."""
+    after a BOS token when bos_id is given; its position is not scored); with reference (a
+    second forward, e.g. the 16-bit model), the per-window KL(reference || model) too."""
     T = context
+    kl_w = None if reference is None else torch.zeros(len(windows), dtype=torch.float64)
     nll_w = torch.zeros(len(windows), dtype=torch.float64)
     count_w = torch.zeros(len(windows), dtype=torch.long)
     correct = torch.full((tokens.numel(),), -1, dtype=torch.int8)
@@ -204,13 +219,22 @@ def window_scores(model, tokens: torch.Tensor, windows, *, context: int, batch_s
         nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
         nll = nll.view(len(batch), T).double().cpu()
         hit = (logits.argmax(-1) == y).to(torch.int8).cpu()                     # [B, T]
+        kl = None
+        if reference is not None:
+            ref = reference(x)
+            ref = getattr(ref, "logits", ref)
+            ref_lp = (ref[:, 1:] if bos_id is not None else ref).float().log_softmax(-1)
+            lp = logits.float().log_softmax(-1)
+            kl = (ref_lp.exp() * (ref_lp - lp)).sum(-1).double().cpu()          # [B, T]
         for b, (s, first) in enumerate(batch):
+            if kl is not None:
+                kl_w[i + b] = kl[b, first:].sum()
             nll_w[i + b] = nll[b, first:].sum()
             count_w[i + b] = T - first
             correct[s + 1 + first:s + 1 + T] = hit[b, first:]
         if bar is not None:
             bar.update(len(batch))
-    return WindowScores(nll=nll_w, count=count_w, correct=correct)
+    return WindowScores(nll=nll_w, count=count_w, correct=correct, kl=kl_w)
 
 
 def window_nll(model, tokens: torch.Tensor, windows, *, context: int, batch_size: int, device,
@@ -242,6 +266,7 @@ def _rank_eval(rank: int | None, world_size: int, opts: EvalOptions) -> list[dic
         if opts.rotate is not None:
             from echo_tp.models.rotate import rotate_hidden
             rotate_hidden(model, opts.rotate)
+    reference = _reference_model(opts, rank, world_size, device, hf) if opts.kl else None
     tokens = load_eval_tokens(opts.data, model_spec=opts.model, tokenizer=opts.tokenizer)
     if tokens.numel() and int(tokens.max()) >= vocab_size:
         raise ValueError(f"token id {int(tokens.max())} >= the model's vocab_size "
@@ -275,7 +300,8 @@ def _rank_eval(rank: int | None, world_size: int, opts: EvalOptions) -> list[dic
             bar.set_postfix_str(spec.label)
         t0 = time.perf_counter()
         sc = window_scores(forward, tokens, windows, batch_size=opts.batch_size, device=device,
-                           bar=bar, context=opts.context, bos_id=opts.bos_id)
+                           bar=bar, context=opts.context, bos_id=opts.bos_id,
+                           reference=reference)
         nll, n = float(sc.nll.sum()), int(sc.count.sum())
         scores.append(sc)
         results.append({**spec.as_dict(), **extra, "ppl": math.exp(nll / n), "nll": nll / n,
@@ -286,6 +312,22 @@ def _rank_eval(rank: int | None, world_size: int, opts: EvalOptions) -> list[dic
         bar.close()
     _add_statistics(results, scores, tokens, windows, opts, model.echo_tp.n_layers)
     return results
+
+
+def _reference_model(opts: EvalOptions, rank, world_size: int, device, hf: bool):
+    """The forward of a second copy of the model at 16 bits (the KL reference): the same
+    weights, rotation and sequence parallelism as the evaluated one."""
+    comm = make_comm(rank, world_size, EchoConfig(bits=16))
+    if hf:
+        from echo_tp.hf import load_hf_tp
+        ref = load_hf_tp(opts.model, comm, rank, dtype=DTYPES[opts.dtype], device=device)
+        return lambda x: ref(x, use_cache=False).logits  # noqa: E731 - [B, T, V]
+    ref, _ = load_model(opts.model, seed=opts.seed, dtype=DTYPES[opts.dtype], device=device)
+    if opts.rotate is not None:
+        from echo_tp.models.rotate import rotate_hidden
+        rotate_hidden(ref, opts.rotate)
+    parallelize(ref, comm, rank, sequence_parallel=opts.sequence_parallel)
+    return ref
 
 
 def _calibration_windows(opts: EvalOptions, specs, vocab_size: int):
@@ -351,6 +393,8 @@ def _add_statistics(results, scores, tokens, windows, opts: EvalOptions, n_layer
             r.update({k: v for k, v in st.items() if k.startswith("ppl_change")})
     for r, sc in zip(results, scores):
         r["window_nll"] = sc.nll.tolist()
+        if sc.kl is not None:
+            r["kl"], r["kl_ci"] = mean_per_token(sc.kl, sc.count, seed=opts.seed)
     if opts.last_word:
         classes = token_classes(build_tokenizer(resolve_tokenizer_dir(_data_tokenizer(opts))),
                                 int(max(int(tokens.max()) + 1, 1)))
@@ -391,6 +435,7 @@ def format_table(results: list[dict]) -> str:
     width = max(12, *(len(r["label"]) for r in results))
     gap = any(r.get("gap_closed") is not None for r in results)
     lw = any(r.get("last_word_accuracy") is not None for r in results)
+    kl = any(r.get("kl") is not None for r in results)
     head = (f"{'comm config':<{width}}  {'ppl':>10}  {'vs ' + results[0]['label']:>12}  "
             f"{'tokens':>9}  {'s':>7}")
     if "wire_bits" in results[0]:
@@ -399,6 +444,8 @@ def format_table(results: list[dict]) -> str:
         head += f"  {'gap closed [95% CI]':>24}"
     if lw:
         head += f"  {'last-word %':>11}"
+    if kl:
+        head += f"  {'KL vs 16-bit [95% CI]':>30}"
     lines = [head]
     for r in results:
         line = (f"{r['label']:<{width}}  {r['ppl']:>10.4f}  {r['ppl'] - base:>+12.4f}  "
@@ -411,6 +458,10 @@ def format_table(results: list[dict]) -> str:
             line += f"  {cell:>24}"
         if lw:
             line += f"  {r['last_word_accuracy']:>11.2f}"
+        if kl:
+            k, ci = r.get("kl"), r.get("kl_ci")
+            cell = "" if k is None else f"{k:.2e} [{ci[0]:.2e}, {ci[1]:.2e}]"
+            line += f"  {cell:>30}"
         lines.append(line)
     return "\n".join(lines)
 
@@ -422,7 +473,8 @@ def main(*, model: str, data: str, comms: list[str], context: int = 1024,
          out: str | None = None, progress: bool = True, impl: str = "auto", bos: bool = False,
          bos_id: int | None = None, last_word: bool = False,
          calibration_data: str | None = None, calibration_windows: int = 8,
-         rotate: int | None = None, sequence_parallel: bool = False) -> list[dict]:
+         rotate: int | None = None, sequence_parallel: bool = False,
+         kl: bool = False) -> list[dict]:
     """Perplexity of `model` on `data` under every comm config; prints a table (rank 0), writes
     JSON to `out` when given, returns the result rows (rank 0's; every rank computes the same).
     bos=True: BOS-started windows (bos_id, default: see the module doc)."""
@@ -450,7 +502,7 @@ def main(*, model: str, data: str, comms: list[str], context: int = 1024,
                        bos_id=bos_id, progress=progress, last_word=last_word,
                        calibration_data=calibration_data,
                        calibration_windows=calibration_windows, rotate=rotate,
-                       sequence_parallel=sequence_parallel)
+                       sequence_parallel=sequence_parallel, kl=kl)
     if last_word:
         _data_tokenizer(opts)   # fail before the evaluation if no tokenizer can be named
     run = launch(_rank_eval, opts, simulate=simulate, world_size=world_size)

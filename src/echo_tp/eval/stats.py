@@ -10,6 +10,7 @@ same resampled windows (paired): the noise of which text was drawn cancels in th
 
 Gap closed by config x (the share of the uncompensated 4-bit loss recovered):
     (ppl_4 - ppl_x) / (ppl_4 - ppl_16), per resample, then its 2.5 / 97.5 percentiles.
+Per-token means (the KL divergence from the 16-bit model): sum_w v[draw] / sum_w count[draw].
 """
 from __future__ import annotations
 
@@ -78,3 +79,12 @@ def paired_difference(hits: torch.Tensor, ref: int, *, resamples: int = RESAMPLE
     full = hits.double().mean(-1) * 100
     return [{"accuracy": float(full[c]), "diff_pts": float(full[c] - full[ref]),
              "diff_pts_ci": interval(acc[c] - acc[ref])} for c in range(hits.shape[0])]
+
+
+def mean_per_token(values: torch.Tensor, count: torch.Tensor, *, resamples: int = RESAMPLES,
+                   seed: int = 0) -> tuple[float, tuple[float, float]]:
+    """values [W] (a per-window sum, e.g. of KL), count [W] -> (sum / tokens, its bootstrap
+    interval over windows)."""
+    draws = bootstrap_draws(values.shape[0], resamples=resamples, seed=seed)
+    v, c = values.double(), count.double()
+    return float(v.sum() / c.sum()), interval(v[draws].sum(-1) / c[draws].sum(-1))
