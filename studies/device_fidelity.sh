@@ -14,7 +14,7 @@ D=.work/data
 CK=$(ls -d .work/testbed/checkpoints/step-* | sort -t- -k2 -n | tail -1)
 echo "testbed checkpoint: $CK"
 START=$(date +%s); DEADLINE=${DEADLINE:-500}
-EV="python3 -m echo_tp.cli eval --bos --dtype bfloat16 --context 512 --batch-size 32
+EV="python3 -m echo_tp.cli eval --bos --dtype bfloat16 --context 512 --batch-size 32 --kl
     --last-word --no-progress --calibration-windows 8"
 run() {  # run NAME ARGS...: one eval unless the deadline has passed
   local name=$1; shift

@@ -16,7 +16,7 @@ D=.work/data
 CK=$(ls -d .work/testbed/checkpoints/step-* | sort -t- -k2 -n | tail -1)
 export ECHO_BACKEND=reference   # pure torch on the GPU, bit-identical to the kernels: no cold Triton compiles
 EV="python3 -m echo_tp.cli eval --model $CK --data $D/gut108.val.bin --bos --dtype bfloat16
-    --context 511 --batch-size 32 --max-windows 600 --simulate ${P:-8} --no-progress"
+    --context 511 --batch-size 32 --max-windows 600 --simulate ${P:-8} --kl --no-progress"
 run() {  # run NAME ARGS...: one eval unless the deadline has passed
   local name=$1; shift
   if (( $(date +%s) - START > DEADLINE )); then echo "SKIPPED $name (deadline)"; return; fi
