@@ -17,3 +17,14 @@ archive_results() {
   rm -rf "$OUT"; mkdir -p "$OUT" "$FINAL"
 }
 pack() { tar -czf "$ARCHIVE" -C "$OUT" .; }
+
+# run NAME ARGS...: one `$EV ARGS --out $OUT/NAME.json` (EV: the caller's eval command) unless
+# DEADLINE seconds have passed since START; prints its table and packs the archive.
+run() {
+  local name=$1; shift
+  if (( $(date +%s) - START > DEADLINE )); then echo "SKIPPED $name (deadline)"; return; fi
+  local t0=$(date +%s)
+  $EV "$@" --out "$OUT/$name.json" > "$OUT/$name.txt" 2>&1 || echo "FAILED $name"
+  echo "== $name ($(( $(date +%s) - t0 )) s)"; tail -n +2 "$OUT/$name.txt" | cut -c1-140
+  pack
+}

@@ -16,14 +16,6 @@ echo "testbed checkpoint: $CK"
 START=$(date +%s); DEADLINE=${DEADLINE:-500}
 EV="python3 -m echo_tp.cli eval --bos --dtype bfloat16 --context 512 --batch-size 32 --kl
     --last-word --no-progress --calibration-windows 8"
-run() {  # run NAME ARGS...: one eval unless the deadline has passed
-  local name=$1; shift
-  if (( $(date +%s) - START > DEADLINE )); then echo "SKIPPED $name (deadline)"; return; fi
-  local t0=$(date +%s)
-  $EV "$@" --out "$OUT/$name.json" > "$OUT/$name.txt" 2>&1 || echo "FAILED $name"
-  echo "== $name ($(( $(date +%s) - t0 )) s)"; tail -n +2 "$OUT/$name.txt" | cut -c1-140
-  pack
-}
 TB="--model $CK --data $D/gut108.val.bin --calibration-data $D/gut108.bin --max-windows 600"
 run tp8 $TB --simulate 8 --comms 16 4 8 echo4 echo4-output echo4:g=64 echo4:g=32 early8 \
     'echo4:policy=telemetry-rel@4.6' 'echo4:policy=telemetry@4.6' \
