@@ -21,6 +21,7 @@ against the measured tables (collective/tuning.py), not restated from them.
 Look first at collective/routing.route (route_half for the halves) when a decision test fails,
 at collective/tuning.py when a table test does.
 """
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -287,20 +288,28 @@ def half_call(kind: str, m: int, cfg: EchoConfig = DEFAULT, P: int = 2, **kw) ->
 
 
 def test_half_calls_take_p2p_where_the_kernels_take_them():
-    """Every quantized GPU half the kernels take goes to p2p under 'auto' and 'p2p', eager or
-    captured, small or large: staged, overlap off, the tile shape of the all-reduce of P*m
-    values, so a reduce-scatter and an all-gather of one chunk size share their tile."""
+    """A quantized GPU half the kernels take goes to p2p under 'p2p' at every size, and under
+    'auto' where the all-reduce of its P*m values would (from the measured crossover; inside
+    capture uncompensated at every size), else to 'plain' (NCCL's 16-bit half, exact): staged,
+    overlap off, the tile shape of the all-reduce of P*m values, so a reduce-scatter and an
+    all-gather of one chunk size share their tile."""
     for P in (2, 4, 8):
         for m in (128, 3 * 128, 4096 * 257, 1 << 24):
             for cfg in (DEFAULT, UNCOMP, FP32_PAIR, EchoConfig(bits=8)):
-                want = routing.p2p_route(Call.of(P * m, 2, cfg, P, on_gpu=True), tuning.DEFAULT,
-                                         "the all-reduce of P*m values", form="staged",
-                                         overlap="off")
+                ar = Call.of(P * m, 2, cfg, P, on_gpu=True)
+                want = routing.p2p_route(ar, tuning.DEFAULT, "the all-reduce of P*m values",
+                                         form="staged", overlap="off")
                 for kind in routing.HALVES:
                     for mode in ("auto", "p2p"):
                         for capturing in (False, True):
                             r = route_half(kind, half_call(kind, m, cfg, P,
                                                            capturing=capturing), mode, FAST)
+                            ar_route = route(dataclasses.replace(ar, capturing=capturing),
+                                             "auto", {"p2p": None})
+                            if mode == "auto" and ar_route.backend != "p2p":
+                                assert r.backend == "plain", (P, m, kind, r, ar_route)
+                                assert "crossover" in r.reason or "never" in r.reason, r
+                                continue
                             assert r.backend == "p2p", (P, m, kind, mode, r)
                             assert (r.form, r.overlap) == ("staged", "off"), r
                             assert (r.tile, r.step, r.num_warps) == \
@@ -323,17 +332,21 @@ def test_half_calls_fall_back_to_the_reference_and_say_why():
             r = route_half(kind, c, mode, available)
             assert r.backend == "reference" and why in r.reason and name in r.reason, r
         for bad, why in ((half_call(kind, 4096, on_gpu=False), "GPU"),
-                         (half_call(kind, 4096, EchoConfig(bits=16)), "bits=16"),
-                         (half_call(kind, 4096, EchoConfig(state_dtype="float64")), "float64"),
-                         (half_call(kind, 4096, tensor_unfit="dtype torch.int8"), "int8")):
+                         (half_call(kind, 4096, EchoConfig(bits=16)), "bits=16")):
             for mode in ("auto", "p2p"):
                 r = route_half(kind, bad, mode, FAST)
                 assert r.backend == "reference" and why in r.reason, (mode, r)
+        # what the kernels cannot take: 'p2p' -> the quantized reference, 'auto' -> plain
+        for bad, why in ((half_call(kind, 4096, EchoConfig(state_dtype="float64")), "float64"),
+                         (half_call(kind, 4096, tensor_unfit="dtype torch.int8"), "int8")):
+            for mode, backend in (("auto", "plain"), ("p2p", "reference")):
+                r = route_half(kind, bad, mode, FAST)
+                assert r.backend == backend and why in r.reason, (mode, r)
         # a chunk of 300 values is not whole 128-value groups: the kernels' own reason
         x = torch.zeros(2 * 300 if kind == "reduce_scatter" else 300, dtype=torch.bfloat16)
         unfit = supported_half(kind, x, DEFAULT, 2)
         assert unfit is not None and "whole number" in unfit, unfit
-        r = route_half(kind, half_call(kind, 300, tensor_unfit=unfit), "auto", FAST)
+        r = route_half(kind, half_call(kind, 300, tensor_unfit=unfit), "p2p", FAST)
         assert r.backend == "reference" and "whole number of 128-value groups" in r.reason, r
     with pytest.raises(ValueError, match="kind"):
         route_half("broadcast", half_call("all_gather", 128))
@@ -355,7 +368,7 @@ def test_dispatcher_routes_the_halves_and_logs_once(caplog):
     """CPU halves route to the reference (cached, logged once per decision); a route to p2p
     (as a GPU call's) reaches the p2p backend's half with its route; the simulated
     communicator's halves go to its one backend, saying why."""
-    backends = {n: _HalfRecorder(n) for n in ("reference", "p2p")}
+    backends = {n: _HalfRecorder(n) for n in ("reference", "p2p", "plain")}
     d = Dispatcher(backends, 2, mode="auto", available={"p2p": None},
                    device=torch.device("cpu"))
     x = torch.zeros(1024, dtype=torch.bfloat16)
@@ -368,11 +381,16 @@ def test_dispatcher_routes_the_halves_and_logs_once(caplog):
                for _, r in backends["reference"].calls)
     assert sum("-> reference" in m for m in caplog.messages) == 2    # once per kind
     assert len(d._routes) == 2 and d.last_backend == "reference"
-    p2p = route_half("reduce_scatter", half_call("reduce_scatter", 512), "auto", FAST)
+    p2p = route_half("reduce_scatter", half_call("reduce_scatter", 512), "p2p", FAST)
     d.route_half = lambda kind, x, cfg, state=None: p2p            # the route a CUDA x gets
     y = d.run_half("reduce_scatter", x, DEFAULT, state=None, backward=False)
     assert backends["p2p"].calls == [("reduce_scatter", p2p)] and y.numel() == 512
     assert d.last_backend == "p2p" and d.last_route is p2p
+    plain = route_half("all_gather", half_call("all_gather", 512), "auto", FAST)
+    assert plain.backend == "plain" and "crossover" in plain.reason  # small: NCCL's 16-bit
+    d.route_half = lambda kind, x, cfg, state=None: plain
+    y = d.run_half("all_gather", x, DEFAULT, state=None, backward=False)
+    assert backends["plain"].calls == [("all_gather", plain)] and y.numel() == 2048
     sim = SimulatedCommunicator(2)
     caplog.clear()
     with caplog.at_level("INFO", logger="echo_tp.collective.dispatch"):

@@ -4,8 +4,9 @@ this module builds the backends a group can have and runs the call on the one pi
     'auto' on an intra-node GPU group:  oneshot | p2p | plain | reference (routing.route)
     'auto' elsewhere (CPU/gloo, multi-node), or 'reference':  the reference for every call
     'p2p':  p2p for every call its kernels can take (an error at build if it cannot run)
-    reduce-scatter / all-gather calls (routing.route_half): p2p under 'auto' and 'p2p' for every
-        quantized GPU call the stage kernels take, the reference for the rest
+    reduce-scatter / all-gather calls (routing.route_half): under 'auto' p2p from the
+        all-reduce's crossover where the stage kernels take them, else plain; under 'p2p' p2p
+        where the kernels take them; the reference for the rest
 
 A block boundary's residual add (comm.all_reduce_add_rmsnorm) goes into the call where the
 route's backend adds it where y is decoded (`adds_residual`: p2p); `adds_residual(x, cfg)` says
@@ -68,8 +69,8 @@ class TransportBackend:
 
 
 class PlainBackend:
-    """The plain all-reduce in the input dtype for GPU calls the fast path declines (a message
-    below its measured crossover, or a config it loses on). No rounding beyond the dtype's own,
+    """The plain all-reduce (and reduce-scatter, all-gather) in the input dtype for GPU calls
+    the fast path declines (a message below its measured crossover, or a config it loses on). No rounding beyond the dtype's own,
     so no error is injected: the compensator state is left as it is, and the corrections it
     holds are applied at the next quantized site."""
 
@@ -81,6 +82,14 @@ class PlainBackend:
 
     def run(self, x, cfg, *, state, backward, record, inplace=False, route=None):
         return self.transport.all_sum(x, inplace=inplace), None
+
+    def reduce_scatter(self, x, cfg, *, state, backward, route=None):
+        """x [P*m] -> this rank's chunk of the sum [m], NCCL's reduce-scatter in x's dtype."""
+        return self.transport.sum_scatter(x)
+
+    def all_gather(self, x, cfg, *, state, backward, route=None):
+        """x [m] -> every rank's shard [P*m], NCCL's all-gather in x's dtype."""
+        return self.transport.gather_cat(x)
 
     def close(self) -> None:
         pass

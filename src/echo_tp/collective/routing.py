@@ -15,11 +15,13 @@ mode 'auto' on an intra-node GPU group, in this order:
     reference  everything else (CPU tensors, groups without the fast path): the quantized
                algorithm over torch.distributed
 
-Reduce-scatter and all-gather calls (route_half; sequence parallelism) go to p2p under modes
-'auto' and 'p2p' wherever the stage kernels take them (quantized GPU calls whose chunks are
-whole quantization groups: kernels/allreduce_plan.supported_half), staged, at every size and
-in graph capture alike; everything else to the reference (at bits=16 the transport's plain
-reduce-scatter / all-gather, NCCL's on GPUs).
+Reduce-scatter and all-gather calls (route_half; sequence parallelism) follow the same rules
+for the P*m values they move: under 'auto' p2p from the all-reduce's crossover where the stage
+kernels take them (quantized GPU calls whose chunks are whole quantization groups:
+kernels/allreduce_plan.supported_half), staged; 'plain' (NCCL's reduce-scatter / all-gather in
+the input dtype) below it and where the kernels cannot; under 'p2p' p2p wherever the kernels
+take them; everything else to the reference (at bits=16 the transport's plain reduce-scatter /
+all-gather, NCCL's on GPUs).
 Mode 'p2p' sends every call the kernels can take to p2p (the rest to the reference); mode
 'reference' sends all to the reference. A p2p route also fixes the kernel form ('fused': one
 kernel; 'staged': entry, reduce, tail), the tile shape and the reduce/tail overlap.
@@ -150,6 +152,8 @@ def route(call: Call, mode: str = "auto", available: dict[str, str | None] | Non
 
 
 HALVES = ("reduce_scatter", "all_gather")
+P_M = "P*m"
+"""The values a half moves: a reduce-scatter's input, an all-gather's output."""
 
 
 def route_half(kind: str, call: Call, mode: str = "auto",
@@ -161,14 +165,19 @@ def route_half(kind: str, call: Call, mode: str = "auto",
     take this half (kernels/allreduce_plan.supported_half: a chunk that is not a whole number
     of quantization groups, ...). available, tables: as route's.
 
-    p2p (P2PBackend.reduce_scatter / all_gather) under modes 'auto' and 'p2p' on a group with
-    the p2p backend, for every quantized GPU call the kernels take, at every size and inside
-    graph capture alike (no crossover is measured for the halves; the reference half is the
-    quantized algorithm over torch.distributed, not a 16-bit NCCL call): staged (entry +
-    reduce, encode + tail), overlap 'off', the tile shape of the all-reduce of P*m values
-    (whose segments are the m-value chunks). Everything else the reference algorithm
-    (collective/sharded.py) over the group's transport, with the reason; at bits=16 that is
-    the transport's plain reduce-scatter / all-gather (NCCL's on GPUs)."""
+    Mode 'p2p': p2p (P2PBackend.reduce_scatter / all_gather) for every quantized GPU call the
+    kernels take. Mode 'auto', as the all-reduce's route on a group with the p2p backend: p2p
+    from the all-reduce's measured crossover for the P*m values a half moves (no crossover is
+    measured for the halves themselves; a reduce-scatter + all-gather of a tensor is its
+    all-reduce), inside graph capture uncompensated at every size; below it, and for calls
+    the kernels cannot take, 'plain': NCCL's reduce-scatter / all-gather in the input dtype
+    (exact, no error injected, the state kept for the next quantized call), never slower
+    than 16 bits. A p2p route is staged (entry + reduce, encode + tail), overlap 'off', with
+    the tile shape of the all-reduce of P*m values (whose segments are the m-value chunks).
+    Everything else (mode 'reference', no fast path, CPU tensors, bits=16; in mode 'p2p' the
+    calls the kernels cannot take) the reference algorithm (collective/sharded.py) over the
+    group's transport, with the reason; at bits=16 that is the transport's plain
+    reduce-scatter / all-gather (NCCL's on GPUs)."""
     if kind not in HALVES:
         raise ValueError(f"kind must be one of {HALVES}, got {kind!r}")
     if mode not in MODES:
@@ -185,11 +194,24 @@ def route_half(kind: str, call: Call, mode: str = "auto",
         return Route("reference", f"{name}: bits=16 is the transport's plain {name}")
     unfit = call.tensor_unfit or call.config_unfit
     if unfit is not None:
+        if mode == "auto":
+            return Route("plain", f"{name}: the p2p kernels cannot take it: {unfit}")
         return Route("reference", f"{name}: the p2p kernels cannot take it: {unfit}")
     numel = call.numel * (call.world_size if kind == "all_gather" else 1)      # P*m
     layout = replace(call, numel=numel, nbytes=call.nbytes // max(1, call.numel) * numel)
-    why = "backend 'p2p' was asked for" if mode == "p2p" else \
-        "the stage kernels take it (every size: the alternative is the quantized reference)"
+    if mode == "p2p":
+        why = "backend 'p2p' was asked for"
+    elif call.capturing and not call.compensated:
+        why = "inside CUDA graph capture (no launch cost): p2p at every size uncompensated"
+    else:
+        gate, src = tables.p2p_gate(call.world_size, call.state_bytes)
+        if gate is None:
+            return Route("plain", f"{name}: p2p never measured faster with {call.state_bytes} "
+                                  f"state bytes per value ({src})")
+        if layout.nbytes < gate:
+            return Route("plain", f"{name}: below the all-reduce's p2p crossover "
+                                  f"{_mib(gate)} for its {P_M} values ({src})")
+        why = f">= the all-reduce's p2p crossover {_mib(gate)} for its {P_M} values ({src})"
     return p2p_route(layout, tables, f"{name}: {why}", form="staged", overlap="off")
 
 
