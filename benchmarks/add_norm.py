@@ -32,11 +32,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 
 import torch
-from common import median_ms
+from common import median_ms, wall_median_ms
 
 SHAPES = [(8, 4096), (64, 4096), (2048, 4096), (8192, 4096), (32768, 4096), (8192, 8192)]
 BOUNDARY_SHAPES = [(8, 4096), (64, 4096), (8192, 4096), (32768, 4096)]
@@ -189,16 +187,6 @@ def _graph_ms(fn, iters: int) -> float:
     return median_ms(g.replay, iters, 3, barrier=False)
 
 
-def _wall_ms(fn, iters: int) -> float:
-    """Median wall ms of fn (the CPU dry run)."""
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 @torch.no_grad()
 def boundary_row(P: int, rows: int, h: int, name: str, iters: int, dev: str = "cuda") -> dict:
     """Part 'boundary' for one shape and config -> a row of times (ms) per method."""
@@ -207,7 +195,7 @@ def boundary_row(P: int, rows: int, h: int, name: str, iters: int, dev: str = "c
            "step": b.route.step, **exactness(b)}
     for m in METHODS:
         if dev == "cpu":
-            row[f"{m}_eager_ms"] = round(_wall_ms(lambda: b.call(m), iters), 3)
+            row[f"{m}_eager_ms"] = round(wall_median_ms(lambda: b.call(m), iters), 3)
             continue
         row[f"{m}_ms"] = round(_graph_ms(lambda: b.call(m), iters), 4)
         row[f"{m}_per_rank_ms"] = round(row[f"{m}_ms"] / P, 4)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,16 @@ def spawn_nccl(world: int, fn, *args, timeout: float = 1800.0) -> list:
     from echo_tp.launch import run_ranks
     os.environ.update(SAFE_ENV)
     return run_ranks(world, fn, *args, timeout=timeout, backend="nccl")
+
+
+def wall_median_ms(fn, iters: int) -> float:
+    """Median host wall-clock ms of `iters` calls of fn (no device sync: eager host cost)."""
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
 
 
 def median_ms(fn, iters: int, warmup: int, barrier: bool = True) -> float:

@@ -14,19 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
-import time
 
 import torch
-
-
-def _median_us(fn, iters: int) -> float:
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
+from common import wall_median_ms
 
 
 def _rank(rank, world_size, sizes, iters):
@@ -39,13 +29,14 @@ def _rank(rank, world_size, sizes, iters):
         comm = EchoCommunicator.from_group(None, EchoConfig(bits=4, eta=0.0))
         comm.all_reduce(x)                                   # the signature is checked here
         cfg = comm.config_for(None)
-        lookup = _median_us(lambda: comm._check_call(x, cfg, "forward", "all_reduce"), iters * 50)
+        lookup = 1e3 * wall_median_ms(lambda: comm._check_call(x, cfg, "forward", "all_reduce"),
+                                    iters * 50)
         dist.barrier()
-        call = _median_us(lambda: comm.all_reduce(x), iters)
+        call = 1e3 * wall_median_ms(lambda: comm.all_reduce(x), iters)
         comm._debug_checks = True                            # = ECHO_DEBUG_CHECKS=1
         comm._checked.clear()
         dist.barrier()
-        checked = _median_us(lambda: comm.all_reduce(x), iters)
+        checked = 1e3 * wall_median_ms(lambda: comm.all_reduce(x), iters)
         rows.append({"numel": n, "lookup_us": lookup, "call_us": call, "checked_us": checked,
                      "check_collective_us": checked - call})
     return rows

@@ -152,8 +152,6 @@ def route(call: Call, mode: str = "auto", available: dict[str, str | None] | Non
 
 
 HALVES = ("reduce_scatter", "all_gather")
-P_M = "P*m"
-"""The values a half moves: a reduce-scatter's input, an all-gather's output."""
 
 
 def route_half(kind: str, call: Call, mode: str = "auto",
@@ -210,8 +208,8 @@ def route_half(kind: str, call: Call, mode: str = "auto",
                                   f"state bytes per value ({src})")
         if layout.nbytes < gate:
             return Route("plain", f"{name}: below the all-reduce's p2p crossover "
-                                  f"{_mib(gate)} for its {P_M} values ({src})")
-        why = f">= the all-reduce's p2p crossover {_mib(gate)} for its {P_M} values ({src})"
+                                  f"{_mib(gate)} for its P*m values ({src})")
+        why = f">= the all-reduce's p2p crossover {_mib(gate)} for its P*m values ({src})"
     return p2p_route(layout, tables, f"{name}: {why}", form="staged", overlap="off")
 
 
