@@ -6,7 +6,8 @@ Rows of rotated models and of sequence-parallel runs are tagged so. Each file's 
 per-window NLLs (the same windows in every file of one model and data),
 so rows of several files are compared on the same resampled windows: the gap closed is
 (ppl_4 - ppl_x) / (ppl_4 - ppl_16) with the 16-bit and naive 4-bit rows of --refs (default: the
-first file), a paired bootstrap (eval/stats.py) over windows giving the 95% interval.
+first file), a paired bootstrap (eval/stats.py) over windows giving the 95% interval; rows
+scored with --kl show their mean KL divergence from the 16-bit model, with its interval.
 """
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ def table(rows: list[tuple[str, dict]], ref_rows: list[tuple[str, dict]]) -> str
     windows = nll.shape[1]
     count = torch.full((windows,), allrows[0][1]["tokens"] // windows, dtype=torch.long)
     stats = gap_closed_table(nll, count, 0, 1)
-    lines = ["| config | bits/value | ppl | vs 16-bit | gap closed [95% CI] | last-word acc "
-             "(vs 16-bit, pts) |", "|---|---|---|---|---|---|"]
+    lines = ["| config | bits/value | ppl | vs 16-bit | gap closed [95% CI] | KL from 16-bit "
+             "[95% CI] | last-word acc (vs 16-bit, pts) |", "|---|---|---|---|---|---|---|"]
     for (label, r), st in list(zip(allrows, stats))[2:]:
         ci = st["ppl_change_pct_ci"]
         g = st["gap_closed"]
@@ -47,8 +48,11 @@ def table(rows: list[tuple[str, dict]], ref_rows: list[tuple[str, dict]]) -> str
             d = r["last_word_diff_pts_ci"]
             lw = (f"{r['last_word_accuracy']:.2f}% ({r['last_word_diff_pts']:+.2f} "
                   f"[{d[0]:+.2f}, {d[1]:+.2f}])")
+        kl = "" if r.get("kl") is None else (f"{r['kl']:.3e} [{r['kl_ci'][0]:.3e}, "
+                                             f"{r['kl_ci'][1]:.3e}]")
         lines.append(f"| {label} | {r['wire_bits']:.3f} | {r['ppl']:.4f} | "
-                     f"{st['ppl_change_pct']:+.3f}% [{ci[0]:+.3f}, {ci[1]:+.3f}] | {gap} | {lw} |")
+                     f"{st['ppl_change_pct']:+.3f}% [{ci[0]:+.3f}, {ci[1]:+.3f}] | {gap} | {kl} | "
+                     f"{lw} |")
     first = allrows[2][1]
     lines.append("")
     lines.append(f"{first['tokens']:,} scored tokens in {windows} windows; last-word targets: "

@@ -287,6 +287,9 @@ def test_echo_beats_uncompensated_4bit_with_outlier_channels():
 def test_policies_and_comm_specs():
     early = make_policy("early8", 5)  # first 5 // 2 = 2 layers = sites 0..3 at 8 bits
     assert [early(s) for s in range(10)] == [8, 8, 8, 8, 4, 4, 4, 4, 4, 4]
+    for name, wide in (("first8", {0}), ("last8", {5}), ("ends8", {0, 5})):
+        fn = make_policy(name, 3)                     # 3 layers: sites 0..5
+        assert [fn(s) for s in range(6)] == [8 if s in wide else None for s in range(6)], name
     assert make_policy("uniform8", 2)(3) == 8 and make_policy(None, 2)(0) is None
     assert make_policy({0: 16}, 2)(0) == 16 and make_policy({0: 16}, 2)(1) is None
     assert make_policy([4, 8, 4, 8], 2)(3) == 8

@@ -5,7 +5,12 @@ own width). Site 2l is layer l's attention block, 2l+1 its MLP block; the backwa
 block uses the same index, so layer l's bits apply in both directions (tp/sites.py).
 
 Presets: 'config' (None everywhere), 'uniform4', 'uniform8', '16' (plain all-reduce), 'early8'
-(sites of the first n_layers // 2 layers at 8 bits, the rest at 4: SPEC §7).
+(sites of the first n_layers // 2 layers at 8 bits, the rest at 4: SPEC §7); 'first8', 'last8',
+'ends8': the first site, the last, or both at 8 bits, the config's width elsewhere. Why the
+ends: with error feedback, the residual stream after site s carries only site s's own rounding
+error (the earlier ones are cancelled), so the last site's error is the one no feedback removes
+and reaches the logits whole; the first site's error is the largest relative to the stream (the
+embeddings are small), and every block of layer 0 reads it.
 
 Telemetry policies, 'telemetry@B' and 'telemetry-rel@B' (B: average wire bits per value, e.g.
 5.0): chosen from the collective's own error telemetry (echo_tp.telemetry) on a calibration
@@ -32,7 +37,7 @@ from echo_tp.config import EchoConfig
 from .plan import SITES_PER_LAYER
 
 BitPolicy = Callable[[int], "int | None"]
-POLICIES = ("config", "uniform4", "uniform8", "16", "early8")
+POLICIES = ("config", "uniform4", "uniform8", "16", "early8", "first8", "last8", "ends8")
 _KEY_ALIASES = {"g": "group_size"}
 _FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(EchoConfig)}
 
@@ -55,6 +60,9 @@ def make_policy(spec, n_layers: int) -> BitPolicy:
             fn = _const(16)
         elif spec == "early8":
             fn = _EarlyWide(n_layers // 2)
+        elif spec in _ENDS:
+            first, last = _ENDS[spec]
+            fn = _EndsWide(first=first, last=n_sites - 1 if last else None)
         else:
             raise ValueError(f"unknown bit policy {spec!r}; choose one of {POLICIES}")
     elif isinstance(spec, Mapping):
@@ -95,6 +103,18 @@ class _EarlyWide:
 
     def __call__(self, site: int) -> int:
         return 8 if site // SITES_PER_LAYER < self.wide_layers else 4
+
+
+_ENDS = {"first8": (True, False), "last8": (False, True), "ends8": (True, True)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class _EndsWide:
+    first: bool
+    last: int | None
+
+    def __call__(self, site: int) -> int | None:
+        return 8 if (self.first and site == 0) or site == self.last else None
 
 
 @dataclass(frozen=True, kw_only=True)
