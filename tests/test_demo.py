@@ -34,8 +34,9 @@ def test_demo_perplexity_table_runs_on_the_heldout_sample():
 def test_shipped_model_ranks_the_configs():
     # the trained demo model on its held-out text: 8-bit within 0.1% of 16-bit, and both Echo
     # settings recover part of what uncompensated 4-bit loses (numbers:
-    # docs/results/2026-11-29-cpu-demo.md)
-    ppl = {r["label"]: r["ppl"] for r in perplexity(max_windows=24, progress=False)}
+    # docs/results/2026-11-29-cpu-demo.md); 12 windows (deterministic: echo4 closes 61% there,
+    # echo4-output 55%)
+    ppl = {r["label"]: r["ppl"] for r in perplexity(max_windows=12, progress=False)}
     assert abs(ppl["8"] / ppl["16"] - 1) < 1e-3
     gap = ppl["4"] - ppl["16"]
     assert gap > 0

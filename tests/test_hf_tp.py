@@ -39,12 +39,16 @@ mismatch -> hf/parallelize.py split_cache; a loading mismatch -> hf/load.py (_ru
 """
 import copy
 import json
+import types
 
 import pytest
 import torch
 
 from echo_tp import EchoConfig, SimulatedCommunicator
 from echo_tp.hf import load_hf_tp, parallelize_hf, save_hf
+from echo_tp.hf import parallelize as hf_parallelize
+from echo_tp.hf.boundaries import plain_layer
+from echo_tp.norm import rmsnorm_reference
 from echo_tp.tp import full_state_dict, grad_norm, rank_parameters, sync_partial_grads
 from harness import run_ranks
 
@@ -419,6 +423,71 @@ def test_policy_reaches_every_site_in_both_directions():
     bwd = [(r["site"], r["bits"]) for r in rows if r["direction"] == "backward"]
     # 2 layers: layer 0 (static sites 0, 1) at 8 bits; backward visits static 3, 2, 1, 0
     assert fwd == list(enumerate([8, 8, 4, 4])) and bwd == list(enumerate([4, 4, 8, 8]))
+
+
+FUSED = {"llama3": 2, "qwen2": 2, "qwen3": 2, "mistral": 2, "qwen3_moe": 1, "gemma2": 0,
+         "gemma3": 0, "phi3": 0, "mixtral": 0}
+"""Layers with fused block boundaries (hf/boundaries.py): plain pre-norm layers only, and
+not Qwen3-MoE's layer 0 (its experts are all-reduced at the block output)."""
+
+
+def _reference_norms(model) -> None:
+    """Every norm a fused boundary computes, switched to echo_tp.norm's reference formula."""
+    base = model.model
+    for n in ([lay.post_attention_layernorm for lay in base.layers] + [base.norm]
+              + [lay.input_layernorm for lay in base.layers[1:]]):
+        n.forward = types.MethodType(
+            lambda self, x: rmsnorm_reference(x, self.weight, self.variance_epsilon), n)
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_boundaries_equal_the_unfused_layers_bit_for_bit(name, dtype, monkeypatch):
+    """Echo 4-bit, simulated TP=4: the fused layers (2 all_reduce_add_rmsnorm calls per layer,
+    no plain forward all-reduce) give the logits of transformers' own layer forward with the
+    same norm formula, bit for bit; transformers' own norms differ only in their sum order."""
+    fused = build(name).to(dtype)
+    comm = SimulatedCommunicator(4, EchoConfig.from_name("echo4"))
+    parallelize_hf(fused, comm)
+    calls = []
+    for method in ("all_reduce_add_rmsnorm", "all_reduce"):
+        real = getattr(comm, method)
+        monkeypatch.setattr(comm, method, lambda *a, _r=real, _m=method, **k: (
+            calls.append((_m, k.get("direction"))), _r(*a, **k))[1])
+    plain = build(name).to(dtype)
+    monkeypatch.setattr(hf_parallelize, "fuse_hf_boundaries", lambda *a: 0)
+    parallelize_hf(plain, SimulatedCommunicator(4, EchoConfig.from_name("echo4")))
+    assert not any("forward" in lay.__dict__ for lay in plain.model.layers)
+    with torch.no_grad():
+        got = fused(tokens()).logits
+        ref = build(name).to(dtype)(tokens()).logits
+        want_own = plain(tokens()).logits
+        _reference_norms(plain)
+        want = plain(tokens()).logits
+    n = 2 * FUSED[name]
+    assert calls[-n:] == [("all_reduce_add_rmsnorm", "forward")] * n, calls
+    assert calls[:-n] == [("all_reduce", "forward")] * (4 - n), calls   # MoE layer 0: unfused
+    assert torch.equal(got, want), (name, float((got - want).abs().max()))
+    # transformers' own norms: another sum order, the same model (4-bit noise is far larger)
+    assert (want_own - want).abs().max() < 0.1 * (want - ref).abs().max()
+
+
+def test_only_plain_pre_norm_layers_are_fused():
+    for name, n in FUSED.items():
+        model = build(name)
+        parallelize_hf(model, SimulatedCommunicator(2, EchoConfig(bits=16)))
+        assert sum("forward" in lay.__dict__ for lay in model.model.layers) == n, name
+
+    class Scaled(T.models.llama.modeling_llama.LlamaDecoderLayer):
+        def forward(self, hidden_states, **kwargs):   # another body: keeps its own forward
+            return super().forward(hidden_states, **kwargs) * 1.0
+    assert not plain_layer(Scaled(build("llama3").config, 0))
+    assert plain_layer(build("llama3").model.layers[0])
+    model = build("llama3")
+    parallelize_hf(model, SimulatedCommunicator(2, EchoConfig(bits=16)))
+    norm = model.model.norm            # a handed-over result is only taken for its own tensor
+    x = torch.randn(2, 3, 64)
+    torch.testing.assert_close(norm(x), build("llama3").model.norm(x), atol=0, rtol=0)
 
 
 def test_unsupported_models_and_styles_are_refused():

@@ -14,6 +14,9 @@ delimited at the base model (`model.model`): each of its forwards is one forward
 backward of its output starts one backward pass, so a loss computed inside the CausalLM's forward
 (labels=...) is covered too. tp.sync_partial_grads / grad_norm / clip_grad_norm_ /
 full_state_dict work on the result (tp.unshard, which builds the project's Transformer, does not).
+In plain pre-norm layers (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE) each block boundary is one
+comm.all_reduce_add_rmsnorm call: the all-reduce, the residual add and the next RMSNorm
+(hf/boundaries.py).
 
 Simulated: each block becomes a SimTPBlock of P deep copies, sharded per virtual rank; attention
 shards keep their own KV cache (`split_cache`): shard 0 writes the caller's Cache (so its
@@ -35,6 +38,7 @@ from torch import nn
 
 from echo_tp.tp.parallelize import parallelize
 
+from .boundaries import fuse_hf_boundaries
 from .plan import head_layout, hf_plan
 
 
@@ -55,9 +59,12 @@ def parallelize_hf(model: nn.Module, comm, rank: int | None = None, *, policy=No
     if not isinstance(layers, nn.ModuleList):
         raise ValueError(f"{type(model).__name__} has no decoder layers at base_model.layers: "
                          "echo-tp parallelizes decoder-only transformers causal LMs")
-    return parallelize(model, comm, rank, policy=policy, plan=table, layout=head_layout(model),
-                       n_layers=len(layers), pass_root=base, split_cache=split_cache,
-                       sequence_parallel=sequence_parallel)
+    parallelize(model, comm, rank, policy=policy, plan=table, layout=head_layout(model),
+                n_layers=len(layers), pass_root=base, split_cache=split_cache,
+                sequence_parallel=sequence_parallel)
+    if not model.echo_tp.sequence_parallel and comm.world_size > 1:
+        fuse_hf_boundaries(base, model.echo_tp.simulated)
+    return model
 
 
 def split_cache(cache, n_shards: int, shard: nn.Module) -> list:

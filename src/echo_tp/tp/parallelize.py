@@ -92,7 +92,8 @@ class SimTPBlock(nn.Module):
         self.split_cache = _split_layer_cache if split_cache is None else split_cache
         self._caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.partial_out = False
-        """True: return the [P, ...] stack of partials; the layer's boundary sums it."""
+        """True: return the [P, ...] stack of partials (first of the tuple when the block
+        returns one); the layer's boundary sums it."""
 
     def forward(self, *args, **kwargs):
         """x [B, T, dim] (same on every virtual rank; first positional or `hidden_states=`)
@@ -110,8 +111,11 @@ class SimTPBlock(nn.Module):
             outs.append(shard(*a, **kw))
         tup = isinstance(outs[0], tuple)
         partials = [o[0] if tup else o for o in outs]  # P x [B, T, dim]
-        if self.partial_out and not tup:
-            return torch.stack(partials)
+        if self.partial_out:
+            if not tup:
+                return torch.stack(partials)
+            return (torch.stack(partials), *(_join_heads([o[i] for o in outs])
+                                             for i in range(1, len(outs[0]))))
         if sp:                                # the P shards of the sum, side by side
             y = ReduceScatter.apply(torch.stack(partials), self.site)
             y = y if self.bias is None else sequence.add_bias(self.site, y, self.bias)
@@ -212,29 +216,49 @@ def _fuse_boundaries(model: Transformer, simulated: bool) -> None:
     on CUDA, bit for bit echo_tp.norm's reference): the attention's and MLP's row-parallel
     output then stays a partial. Blocks with a row-parallel bias keep the plain path."""
     for layer in model.model.layers:
-        blocks, sites = (layer.self_attn, layer.mlp), []
-        for block in blocks:
-            if simulated:
-                ok = isinstance(block, SimTPBlock) and block.bias is None
-                sites.append(block.site if ok else None)
-                continue
-            rows = [m for m in block.modules() if isinstance(m, RowwiseLinear)]
-            ok = len(rows) == 1 and rows[0].bias is None and rows[0].site is not None
-            sites.append(rows[0].site if ok else None)
-        if None in sites:
+        boundaries = fuse_block_outputs((layer.self_attn, layer.mlp), simulated)
+        if boundaries is not None:
+            layer.boundaries = boundaries
+
+
+def fuse_block_outputs(blocks, simulated: bool) -> tuple | None:
+    """Blocks (parallelized; in the order their outputs are added to the residual stream) whose
+    partial outputs a fused boundary can sum: each with one row-parallel output without a bias
+    (not a block all-reduced at its output, such as fused MoE experts). Returns one boundary function per block, (norm,
+    residual, partial) -> (norm(residual + all_reduce(partial)), residual + all_reduce(partial)),
+    and switches the blocks to return their partials; None (nothing changed) when a block does
+    not qualify."""
+    sites = []
+    for block in blocks:
+        if simulated:   # as a real rank would decide (simulated == real ranks, bit for bit)
+            ok = isinstance(block, SimTPBlock) and block.bias is None and \
+                len([m for m in block.shards[0].modules() if isinstance(m, RowwiseLinear)]) == 1
+            sites.append(block.site if ok else None)
             continue
-        for block in blocks:
-            targets = [block] if simulated else \
-                [m for m in block.modules() if isinstance(m, RowwiseLinear)]
-            for t in targets:
-                t.partial_out = True
-        layer.boundaries = tuple(_fused_boundary(site) for site in sites)
+        rows = [m for m in block.modules() if isinstance(m, RowwiseLinear)]
+        ok = len(rows) == 1 and rows[0].bias is None and rows[0].site is not None
+        sites.append(rows[0].site if ok else None)
+    if None in sites:
+        return None
+    for block in blocks:
+        targets = [block] if simulated else \
+            [m for m in block.modules() if isinstance(m, RowwiseLinear)]
+        for t in targets:
+            t.partial_out = True
+    return tuple(_fused_boundary(site) for site in sites)
 
 
 def _fused_boundary(site: Site):
     def boundary(norm, residual: torch.Tensor, partial: torch.Tensor):
-        return ReduceAddNorm.apply(partial, residual, norm.weight, norm.eps, site)
+        return ReduceAddNorm.apply(partial, residual, norm.weight, _norm_eps(norm), site)
     return boundary
+
+
+def _norm_eps(norm: nn.Module) -> float:
+    """The epsilon of an RMSNorm module: `eps` (echo_tp.models) or `variance_epsilon`
+    (transformers)."""
+    eps = getattr(norm, "eps", None)
+    return norm.variance_epsilon if eps is None else eps
 
 
 def set_comm(model: Transformer, comm, *, policy=None) -> None:
