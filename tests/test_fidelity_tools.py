@@ -237,3 +237,48 @@ def test_eval_sequence_parallel(tmp_path):
         eval_main(comms=["16"], sequence_parallel=True, **{**kw, "context": 64})
     with pytest.raises(ValueError, match="names no tokenizer"):   # no tokenizer to read words
         eval_main(comms=["16"], last_word=True, **kw)
+
+
+# ----------------------------------------------------------------------------- outlier packet
+
+def test_outlier_packet_study_codec():
+    """studies/outlier_packet.py: each group's largest |value| travels exactly (bf16 input), the
+    rest on a grid sized by the others; bytes round-trip; the reference all-reduce runs on it."""
+    import importlib
+    import os
+    import sys
+    from echo_tp import SimulatedCommunicator, quant
+    from echo_tp.config import QuantSpec
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "studies"))
+    try:
+        op = importlib.import_module("outlier_packet")
+    finally:
+        sys.path.pop(0)
+    spec = QuantSpec(bits=4, group_size=128)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 512, generator=g).to(torch.bfloat16)
+    x[:, 7] = 500.0                                        # one massive value in group 0
+    p = op.encode(x, spec)
+    back = op.from_bytes(op.to_bytes(p), 512, spec)
+    assert all(torch.equal(a, b) for a, b in zip(p, back))
+    y = op.decode(back, spec)
+    assert torch.equal(y[:, 7], x[:, 7].float())
+    plain = quant.decode(quant.encode(x, spec), spec)
+    err, err_plain = (y - x.float())[:, :128].abs(), (plain - x.float())[:, :128].abs()
+    assert err.max() < 0.1 * err_plain.max()    # step ~0.4 (the others), not ~33 (500)
+    assert op.to_bytes(p).shape[-1] == quant.packet_nbytes(512, spec) + 4 * 4
+    saved = (importlib.import_module("echo_tp.collective.qar").codec_for, quant.to_bytes,
+             quant.from_bytes, os.environ.get("ECHO_BACKEND"))
+    try:
+        op.install()
+        xs = torch.randn(2, 3, 512, generator=g)
+        xs[:, :, 3] = 300.0
+        out = SimulatedCommunicator(2, EchoConfig(bits=4, eta=0.0)).all_reduce(xs)
+        assert (out[0] - xs.sum(0))[:, 3].abs().max() < 1e-3    # the outlier's sum: exact-ish
+    finally:
+        qar = importlib.import_module("echo_tp.collective.qar")
+        qar.codec_for, quant.to_bytes, quant.from_bytes = saved[:3]
+        if saved[3] is None:
+            os.environ.pop("ECHO_BACKEND", None)
+        else:
+            os.environ["ECHO_BACKEND"] = saved[3]
