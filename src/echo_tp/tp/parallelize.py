@@ -224,10 +224,10 @@ def _fuse_boundaries(model: Transformer, simulated: bool) -> None:
 def fuse_block_outputs(blocks, simulated: bool) -> tuple | None:
     """Blocks (parallelized; in the order their outputs are added to the residual stream) whose
     partial outputs a fused boundary can sum: each with one row-parallel output without a bias
-    (not a block all-reduced at its output, such as fused MoE experts). Returns one boundary function per block, (norm,
-    residual, partial) -> (norm(residual + all_reduce(partial)), residual + all_reduce(partial)),
-    and switches the blocks to return their partials; None (nothing changed) when a block does
-    not qualify."""
+    (not a block all-reduced at its output, such as fused MoE experts). Returns one boundary
+    function per block, (norm, residual, partial) -> (norm(residual + all_reduce(partial)),
+    residual + all_reduce(partial)), and switches the blocks to return their partials; None
+    (nothing changed) when a block does not qualify."""
     sites = []
     for block in blocks:
         if simulated:   # as a real rank would decide (simulated == real ranks, bit for bit)
