@@ -30,7 +30,7 @@ demo: install
 	$(VPY) -m echo_tp.cli demo
 
 test: install
-	$(VPY) -m pytest -q tests
+	$(VPY) -m pytest -q --durations=15 tests
 
 # The kernel tests again, in a second new environment that differs only in Triton's version.
 test-triton-oldest:
