@@ -7,7 +7,8 @@ Perplexity change can rank configs against their closeness to the 16-bit outputs
 outside its training distribution (the demo model scores ~400 on WikiText-2): it measures how
 the noise moves the NLL of the targets, not how far the outputs moved. KL(p_16 || p_config),
 averaged over scored tokens, measures the latter. Configs: 16, echo4, echo4 with site 0 at
-8 bits, naive 4. Every window starts with BOS (id 0).
+8 bits (first8), with the last site at 8 bits (last8), with both (ends8; tp/policy.py), naive 4.
+Every window starts with BOS (id 0).
 """
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ from echo_tp.eval.perplexity import load_eval_tokens, load_model
 from echo_tp.tp import parallelize, set_comm
 
 CONFIGS = [("16", dict(bits=16), None), ("echo4", dict(bits=4), None),
-           ("echo4, site 0 at 8 bits", dict(bits=4), {0: 8}), ("4", dict(bits=4, eta=0.0), None)]
+           ("echo4, first8 (site 0 at 8 bits)", dict(bits=4), "first8"),
+           ("echo4, last8", dict(bits=4), "last8"), ("echo4, ends8", dict(bits=4), "ends8"),
+           ("4", dict(bits=4, eta=0.0), None)]
 
 
 def main() -> None:
@@ -52,7 +55,7 @@ def main() -> None:
     for name, lp in logp.items():
         kl = float((ref.exp() * (ref - lp)).sum(-1).mean())
         nll = float(-lp.gather(-1, y[..., None]).mean())
-        print(f"{name:24s} KL(16 || config) {kl:.5f}   NLL change {nll - nll16:+.5f}")
+        print(f"{name:34s} KL(16 || config) {kl:.5f}   NLL change {nll - nll16:+.5f}")
 
 
 if __name__ == "__main__":
