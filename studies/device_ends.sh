@@ -6,7 +6,7 @@
 # model. Two GPU calls on one machine, chained (the checkpoint stays in .work/testbed/):
 #   PART=1 bash studies/device_ends.sh   # the testbed trained (its recipe), simulated TP=8 rows
 #   PART=2 bash studies/device_ends.sh   # the outlier packet and more rows at TP=8, TP=4 rows,
-#                                        # the GPU tests
+#                                        # simulated TP=4 training speed, the GPU tests
 # Carry .work/data/gut108.{bin,json,val.bin,val.json}. Evaluations past DEADLINE are skipped.
 set -uo pipefail
 source studies/device_env.sh
@@ -33,6 +33,13 @@ else
       --no-progress --calibration-windows 8"
   run tp8-more $TB --simulate 8 --comms echo4:policy=first8 echo4:g=64 echo4:g=64,policy=ends8
   run tp4 $TB --simulate 4 --comms 16 4 echo4 $POL
+  # simulated TP=4 training speed since the simulated kernels stopped syncing on every call
+  # (the seeds record's runs: 56-65k tokens/s), 12 steps of the testbed recipe
+  python3 -m echo_tp.cli train --model studies/testbed/model.json --train-data $D/gut108.bin \
+      --val-data $D/gut108.val.bin --bos --batch-size 64 --seq-len 512 --lr 2e-3 --min-lr 2e-4 \
+      --weight-decay 0.1 --sync-every 25 --eval-batches 4 --simulate 4 --comm echo4 --steps 12 \
+      --warmup 1 --no-progress --out-dir .work/probe > "$OUT/train-speed.log" 2>&1
+  echo "== train speed"; grep -i "tokens" "$OUT/train-speed.log" | tail -3; pack
   t0=$(date +%s)
   python3 -m pytest -q tests/test_kernels_gpu.py tests/test_p2p_gpu.py -p no:cacheprovider \
       > "$OUT/pytest-gpu.txt" 2>&1; echo "== pytest rc=$? ($(( $(date +%s) - t0 )) s)"

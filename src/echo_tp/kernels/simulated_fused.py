@@ -53,12 +53,14 @@ class SimulatedFused:
                     for _ in range(P)]                     # poison: unwritten bytes are noise
             for b in bufs:
                 lay.flag_words(b).zero_()
-            errs = [new_error_buffer(False).to(device) for _ in range(P)]
+            # error records in host memory the kernels write (pinned on CUDA, as the p2p
+            # backend's): the host reads them without a device sync
+            errs = [new_error_buffer(torch.device(device).type == "cuda") for _ in range(P)]
             tables = [torch.tensor([b.data_ptr() for b in bufs] + [errs[r].data_ptr()],
                                    dtype=torch.int64, device=device) for r in range(P)]
             epochs = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(P)]
             ws = self._ws[key] = dict(lay=lay, bufs=bufs, errs=errs, tables=tables,
-                                      epochs=epochs)
+                                      epochs=epochs, errs_np=[e.numpy() for e in errs])
         return ws
 
     def __call__(self, x: torch.Tensor, cfg: EchoConfig, *, state: CompState | None,
@@ -119,7 +121,9 @@ class SimulatedFused:
 
     def _run(self, plans: list[CallPlan], stages: tuple, y: torch.Tensor) -> None:
         """Each stage on every rank in turn (y [P, ...]: rank r's output y[r]), then raise on
-        any error record of the simulation's ranks."""
+        any error record of the simulation's ranks. The records are read without a device
+        sync: on the CPU (the interpreter runs each launch to its end) this call's own errors;
+        on a GPU those its kernels have written so far, so one may surface a call later."""
         for stage in stages:
             for r, plan in enumerate(plans):
                 if stage in ("entry", "encode"):
@@ -127,10 +131,9 @@ class SimulatedFused:
                 else:
                     getattr(plan, stage)(y[r])
         for ws in self._ws.values():
-            for err in ws["errs"]:
-                msg = describe_error(err.cpu())
-                if msg is not None:
-                    raise RuntimeError(msg)
+            for err, err_np in zip(ws["errs"], ws["errs_np"]):
+                if err_np[0] != 0:
+                    raise RuntimeError(describe_error(err))
 
     def plans(self, x: torch.Tensor, cfg: EchoConfig, state: CompState | None,
               fs: torch.Tensor | None = None, residual: torch.Tensor | None = None,
