@@ -181,7 +181,7 @@ def test_eval_reports_gap_intervals_last_word_and_telemetry_policy(tmp_path):
     assert [len(r["window_nll"]) for r in rows] == [12] * 4
     assert math.exp(sum(rows[2]["window_nll"]) / rows[2]["tokens"]) == pytest.approx(
         rows[2]["ppl"])
-    assert rows[0]["wire_bits"] == 16.0 and rows[2]["wire_bits"] == 4.25
+    assert rows[0]["wire_bits"] == 16.0 and rows[2]["wire_bits"] == 4.25 + 4 / 2  # edge sites
     tel = rows[3]
     # 2 layers = 4 sites: 5.25 bits per value leave room for one at 8 bits
     assert tel["wire_bits"] == 5.25 and list(tel["policy_table"].values()).count(8) == 1
@@ -230,9 +230,10 @@ def test_eval_sequence_parallel(tmp_path):
                    **kw)
     assert sp[0]["ppl"] == pytest.approx(plain[0]["ppl"], rel=1e-5)
     assert all(math.isfinite(r["ppl"]) for r in sp)
-    # the reduce-scatter and the all-gather move the same values: echo4 gathers at 8 bits by
-    # default (4.25 and 8.25 bits average 6.25), naive '4' and gather_bits=0 at 4
-    assert [r["wire_bits"] for r in sp] == [16.0, 4.25, 6.25, 4.25]
+    # the reduce-scatter and the all-gather move the same values. 2 layers: echo4's sites 0
+    # and 3 at edge_bits 8 (its reduce-scatters average 6.25 bits), its gathers at gather_bits 8
+    # (gather_bits=0: each site's width); naive '4' at 4 everywhere
+    assert [r["wire_bits"] for r in sp] == [16.0, 4.25, (6.25 + 8.25) / 2, 6.25]
     with pytest.raises(ValueError, match="divisible"):
         eval_main(comms=["16"], sequence_parallel=True, **{**kw, "context": 64})
     with pytest.raises(ValueError, match="names no tokenizer"):   # no tokenizer to read words

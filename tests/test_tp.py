@@ -437,6 +437,46 @@ def test_sequence_parallel_sites_and_errors():
     torch.testing.assert_close(step(one, sp_batch), ref, atol=0, rtol=0)   # plain at P = 1
 
 
+def test_edge_sites_at_edge_bits_in_both_directions():
+    """EchoConfig.edge_bits (8 by default): the first and last site run at 8 bits forward and
+    backward where the policy leaves the width to the config; an explicit width wins; 0, the
+    naive presets and a uniform policy keep every site at the config's width."""
+    L = build("qwen3").cfg.n_layers
+    last = 2 * L - 1
+
+    def site_bits(cfg, policy=None):
+        model = build("qwen3")
+        comm = SimulatedCommunicator(2, cfg)
+        parallelize(model, comm, policy=policy)
+        return {(d, s): model.echo_tp.bits(s) for d in ("f",) for s in range(2 * L)}, \
+            model, comm
+
+    widths, model, comm = site_bits(EchoConfig())
+    assert {s: b for (_, s), b in widths.items()} == {s: 8 if s in (0, last) else None
+                                                     for s in range(2 * L)}
+    calls = []
+    real = comm.all_reduce
+    comm.all_reduce = lambda x, **k: (calls.append((k["direction"], k.get("bits"))),
+                                      real(x, **k))[1]
+    real_norm = comm.all_reduce_add_rmsnorm
+    comm.all_reduce_add_rmsnorm = lambda *a, **k: (calls.append((k["direction"], k.get("bits"))),
+                                                   real_norm(*a, **k))[1]
+    step(model)
+    for d in ("forward", "backward"):
+        seq = [b for dd, b in calls if dd == d]
+        assert len(seq) == 2 * L and seq.count(8) == 2 and seq.count(None) == 2 * L - 2, (d, seq)
+        order = seq if d == "forward" else seq[::-1]       # backward visits the sites reversed
+        assert order[0] == 8 and order[-1] == 8, (d, seq)
+    assert site_bits(EchoConfig(), policy={0: 16})[0][("f", 0)] == 16
+    assert site_bits(EchoConfig(), policy={0: 16})[0][("f", last)] == 8
+    for cfg, policy in ((EchoConfig(edge_bits=0), None), (EchoConfig.from_name("4"), None),
+                        (EchoConfig.from_name("echo4-output"), None), (EchoConfig(), "uniform4")):
+        assert 8 not in site_bits(cfg, policy)[0].values(), (cfg, policy)
+    assert set(site_bits(EchoConfig(bits=16))[0].values()) == {None}     # never narrowed
+    with pytest.raises(ValueError, match="edge_bits must be one of"):
+        EchoConfig(edge_bits=6)
+
+
 def test_sequence_parallel_gather_bits():
     """EchoConfig(gather_bits=8): every all-gather of an SP pass (forward and backward) runs at
     8 bits, the reduce-scatters at the sites' own 4; a site set wider (16) keeps its width;
@@ -447,7 +487,7 @@ def test_sequence_parallel_gather_bits():
     runs = {}
     for gather in (0, 8):
         model = build("qwen3")
-        comm = SimulatedCommunicator(2, EchoConfig(bits=4, gather_bits=gather))
+        comm = SimulatedCommunicator(2, EchoConfig(bits=4, gather_bits=gather, edge_bits=0))
         parallelize(model, comm, policy={0: 16}, sequence_parallel=True)
         bits = []
 

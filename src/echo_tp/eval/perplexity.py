@@ -54,8 +54,8 @@ from echo_tp.models import (ModelConfig, build_meta_model, build_tokenizer, init
 from echo_tp.models.tokenize import (DEFAULT_EOS, resolve_tokenizer_dir, separator_id,
                                      token_file_info)
 from echo_tp.tp import parallelize, parse_comm_specs, set_comm
-from echo_tp.tp.policy import (average_wire_bits, gather_width, make_policy, telemetry_budget,
-                               telemetry_policy, wire_bits_per_value)
+from echo_tp.tp.policy import (average_wire_bits, edge_width, gather_width, make_policy,
+                               telemetry_budget, telemetry_policy, wire_bits_per_value)
 from echo_tp.tp.runtime import launch, make_comm, rank_device
 
 from .lastword import target_spans, token_classes, word_hits
@@ -343,9 +343,10 @@ def _calibration_windows(opts: EvalOptions, specs, vocab_size: int):
 
 
 def _calibrate(forward, model, rank, world_size, spec, calib, opts, device, *, first_use):
-    """One telemetry pass at the spec's own width -> (its {site: bits} table, row fields)."""
+    """One telemetry pass at the spec's own width at every site (no edge rule) -> (its
+    {site: bits} table, row fields)."""
     score, budget = telemetry_budget(spec.policy)
-    comm = make_comm(rank, world_size, spec.config, telemetry=True)
+    comm = make_comm(rank, world_size, spec.config.replace(edge_bits=0), telemetry=True)
     if first_use:
         parallelize(model, comm, rank, sequence_parallel=opts.sequence_parallel)
     else:
@@ -409,10 +410,10 @@ def _policy_wire_bits(spec, n_layers: int, sequence_parallel: bool = False) -> f
     """Average wire bits per value of a preset policy (every site the same size); sequence-
     parallel: each site's reduce-scatter and all-gather (gather_width) move the same values."""
     fn = make_policy(spec.policy, n_layers)
-    bits = [wire_bits_per_value(spec.config, fn(s)) for s in range(2 * n_layers)]
+    widths = [edge_width(spec.config, fn(s), s, n_layers) for s in range(2 * n_layers)]
+    bits = [wire_bits_per_value(spec.config, b) for b in widths]
     if sequence_parallel:
-        bits += [wire_bits_per_value(spec.config, gather_width(spec.config, fn(s)))
-                 for s in range(2 * n_layers)]
+        bits += [wire_bits_per_value(spec.config, gather_width(spec.config, b)) for b in widths]
     return sum(bits) / len(bits)
 
 

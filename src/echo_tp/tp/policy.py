@@ -1,7 +1,7 @@
 """Per-site bit policies and the compact comm-config spec strings of `echo-tp eval/train`.
 
 A policy maps a STATIC site index to a bit width (4, 8, 16) or None (the communicator config's
-own width). Site 2l is layer l's attention block, 2l+1 its MLP block; the backward site of a
+own width; at a model's first and last site, EchoConfig.edge_bits: `edge_width`). Site 2l is layer l's attention block, 2l+1 its MLP block; the backward site of a
 block uses the same index, so layer l's bits apply in both directions (tp/sites.py).
 
 Presets: 'config' (None everywhere), 'uniform4', 'uniform8', '16' (plain all-reduce), 'early8'
@@ -211,6 +211,17 @@ def wire_bits_per_value(config: EchoConfig, bits: int | None) -> float:
         return 16.0
     spec = config.replace(bits=b).quant_spec()
     return spec.packet_bytes(spec.group_size) * 8 / spec.group_size
+
+
+def edge_width(config: EchoConfig, bits: int | None, site: int, n_layers: int) -> int | None:
+    """The width of a site after the config's edge rule (EchoConfig.edge_bits): where the
+    policy gives None (the config's width) at a model's first or last site (0 and
+    2 * n_layers - 1), max(config.bits, edge_bits); elsewhere the policy's `bits` as given."""
+    if bits is not None or not config.edge_bits or not config.quantized or n_layers < 1:
+        return bits
+    if site in (0, SITES_PER_LAYER * n_layers - 1):
+        return max(config.bits, config.edge_bits)
+    return None
 
 
 def gather_width(config: EchoConfig, bits: int | None) -> int:

@@ -41,7 +41,7 @@ import torch
 
 from echo_tp.models.config import ModelConfig
 
-from .policy import gather_width
+from .policy import edge_width, gather_width
 
 SEQ_DIM = 1
 """The sequence dim of the activations between blocks ([B, T, hidden])."""
@@ -77,7 +77,9 @@ class TPContext:
         return self.rank is None
 
     def bits(self, site: int):
-        return self.policy(site)
+        """The site's width: the policy's, or at the first and last site the config's
+        edge_bits where the policy leaves the width to the config (policy.edge_width)."""
+        return edge_width(self.comm.config, self.policy(site), site, self.n_layers)
 
 
 @dataclass(eq=False)
