@@ -18,11 +18,11 @@ and hands normed_next to norm_next: norm_next's forward returns it when called o
 itself (the very tensor; any other input is normed as before). Layer 0's input norm runs
 unfused (no all-reduce before it).
 
-Which layers: those whose forward is, token for token, the plain pre-norm body above (compared
-as source text, whitespace and comments dropped: a transformers release that changes it, or a
-family with extra steps such as Phi-3's residual dropout or Gemma's sandwich norms, keeps its
-own forward) and whose norms are transformers' plain RMSNorm (`weight * cast(x * rsqrt(mean(x^2)
-+ eps))`, likewise compared). Blocks that cannot hand over a partial (a row-parallel bias, a
+Which layers: those whose forward is, as code, the plain pre-norm body above (compared as
+`ast` dumps, so formatting and comments do not count: a transformers release that changes it,
+or a family with extra steps such as Phi-3's residual dropout or Gemma's sandwich norms, keeps
+its own forward) and whose norms are transformers' plain RMSNorm (`weight * cast(x *
+rsqrt(mean(x^2) + eps))`, likewise compared). Blocks that cannot hand over a partial (a row-parallel bias, a
 MoE block all-reduced at its output on real ranks) keep the layer unfused too. Sequence
 parallelism keeps every layer unfused (its boundaries are local adds and norms).
 
@@ -32,6 +32,7 @@ squares (echo_tp.norm: a fixed order, so the kernel and the reference agree bit 
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import textwrap
 import types
@@ -66,8 +67,10 @@ return self.weight * hidden_states.to(input_dtype)
 """transformers' plain RMSNorm forward body (Llama's; Qwen2/3's and Mistral's are copies)."""
 
 
+@functools.cache
 def _body(fn) -> str | None:
-    """ast.dump of fn's body statements (its docstring dropped); None without source."""
+    """ast.dump of fn's body statements (its docstring dropped); None without source. Cached:
+    every layer of a model shares its class's forward."""
     try:
         src = textwrap.dedent(inspect.getsource(inspect.unwrap(fn)))
         tree = ast.parse(src)
