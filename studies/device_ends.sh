@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Issue 19 item 4, the default's gap: the first and last sites at 8 bits ('ends8', tp/policy.py)
-# against the default echo4, 'first8', 'last8' and the telemetry policy, and outlier values kept
+# Issue 19 item 4, the default's gap: the first and last sites at 8 bits ('ends8', since this
+# run the default: EchoConfig.edge_bits = 8) against every site at 4 bits (edge_bits=0),
+# 'first8', 'last8' and the telemetry policy, and outlier values kept
 # out of the packet (studies/outlier_packet.py, the reference all-reduce), on the testbed's 307k
 # held-out tokens (600 BOS-started windows of 512, bf16), every row with its KL from the 16-bit
 # model. Two GPU calls on one machine, chained (the checkpoint stays in .work/testbed/):
@@ -16,7 +17,8 @@ START=$(date +%s); DEADLINE=${DEADLINE:-540}
 D=.work/data
 EV="python3 -m echo_tp.cli eval --bos --dtype bfloat16 --context 512 --batch-size 32 --kl
     --no-progress --calibration-windows 8"
-POL="echo4:policy=ends8 echo4:policy=last8 echo4:policy=telemetry-rel@4.6"
+U=echo4:edge_bits=0      # every site at 4 bits (the default before this run)
+POL="echo4:policy=ends8 $U,policy=last8 echo4:policy=telemetry-rel@4.6"
 if [ "$PART" = 1 ]; then
   QUICK=0 OUT=$OUT bash studies/device_testbed.sh || { pack; exit 1; }
   pack
@@ -24,15 +26,15 @@ fi
 CK=$(ls -d .work/testbed/checkpoints/step-* | sort -t- -k2 -n | tail -1)
 TB="--model $CK --data $D/gut108.val.bin --calibration-data $D/gut108.bin --max-windows 600"
 if [ "$PART" = 1 ]; then
-  run tp8 $TB --simulate 8 --comms 16 4 echo4 $POL
+  run tp8 $TB --simulate 8 --comms 16 4 $U $POL
 else
   EV="python3 studies/outlier_packet.py --bos --dtype bfloat16 --context 512 --batch-size 32
       --kl --no-progress"
-  run tp8-outlier $TB --simulate 8 --comms 4 echo4 echo4:policy=ends8
+  run tp8-outlier $TB --simulate 8 --comms 4 $U echo4:policy=ends8
   EV="python3 -m echo_tp.cli eval --bos --dtype bfloat16 --context 512 --batch-size 32 --kl
       --no-progress --calibration-windows 8"
-  run tp8-more $TB --simulate 8 --comms echo4:policy=first8 echo4:g=64 echo4:g=64,policy=ends8
-  run tp4 $TB --simulate 4 --comms 16 4 echo4 $POL
+  run tp8-more $TB --simulate 8 --comms $U,policy=first8 $U,g=64 echo4:g=64,policy=ends8
+  run tp4 $TB --simulate 4 --comms 16 4 $U $POL
   # simulated TP=4 training speed since the simulated kernels stopped syncing on every call
   # (the seeds record's runs: 56-65k tokens/s), 12 steps of the testbed recipe
   python3 -m echo_tp.cli train --model studies/testbed/model.json --train-data $D/gut108.bin \

@@ -6,8 +6,9 @@ change, for a few bit policies on one model (CPU; simulated TP).
 Perplexity change can rank configs against their closeness to the 16-bit outputs on a model far
 outside its training distribution (the demo model scores ~400 on WikiText-2): it measures how
 the noise moves the NLL of the targets, not how far the outputs moved. KL(p_16 || p_config),
-averaged over scored tokens, measures the latter. Configs: 16, echo4, echo4 with site 0 at
-8 bits (first8), with the last site at 8 bits (last8), with both (ends8; tp/policy.py), naive 4.
+averaged over scored tokens, measures the latter. Configs: 16, echo4 with every site at 4 bits
+(edge_bits=0), with site 0 at 8 bits (first8), with the last site at 8 bits (last8), with both
+(the default, EchoConfig.edge_bits = 8), naive 4.
 Every window starts with BOS (id 0).
 """
 from __future__ import annotations
@@ -20,10 +21,12 @@ from echo_tp import EchoConfig, SimulatedCommunicator
 from echo_tp.eval.perplexity import load_eval_tokens, load_model
 from echo_tp.tp import parallelize, set_comm
 
-CONFIGS = [("16", dict(bits=16), None), ("echo4", dict(bits=4), None),
-           ("echo4, first8 (site 0 at 8 bits)", dict(bits=4), "first8"),
-           ("echo4, last8", dict(bits=4), "last8"), ("echo4, ends8", dict(bits=4), "ends8"),
-           ("4", dict(bits=4, eta=0.0), None)]
+CONFIGS = [("16", dict(bits=16), None),
+           ("echo4, every site at 4 bits", dict(bits=4, edge_bits=0), None),
+           ("echo4, first8 (site 0 at 8 bits)", dict(bits=4, edge_bits=0), "first8"),
+           ("echo4, last8", dict(bits=4, edge_bits=0), "last8"),
+           ("echo4, ends8 (the default)", dict(bits=4), None),
+           ("4", dict(bits=4, eta=0.0, edge_bits=0), None)]
 
 
 def main() -> None:
