@@ -22,9 +22,9 @@ Which layers: those whose forward is, as code, the plain pre-norm body above (co
 `ast` dumps, so formatting and comments do not count: a transformers release that changes it,
 or a family with extra steps such as Phi-3's residual dropout or Gemma's sandwich norms, keeps
 its own forward) and whose norms are transformers' plain RMSNorm (`weight * cast(x *
-rsqrt(mean(x^2) + eps))`, likewise compared). Blocks that cannot hand over a partial (a row-parallel bias, a
-MoE block all-reduced at its output on real ranks) keep the layer unfused too. Sequence
-parallelism keeps every layer unfused (its boundaries are local adds and norms).
+rsqrt(mean(x^2) + eps))`, likewise compared). Blocks that cannot hand over a partial (a
+row-parallel bias, a MoE block all-reduced at its output on real ranks) keep the layer unfused
+too. Sequence parallelism keeps every layer unfused (its boundaries are local adds and norms).
 
 The fused norm differs from transformers' own only in the summation order of the sum of
 squares (echo_tp.norm: a fixed order, so the kernel and the reference agree bit for bit).

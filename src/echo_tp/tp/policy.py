@@ -1,16 +1,15 @@
 """Per-site bit policies and the compact comm-config spec strings of `echo-tp eval/train`.
 
 A policy maps a STATIC site index to a bit width (4, 8, 16) or None (the communicator config's
-own width; at a model's first and last site, EchoConfig.edge_bits: `edge_width`). Site 2l is layer l's attention block, 2l+1 its MLP block; the backward site of a
-block uses the same index, so layer l's bits apply in both directions (tp/sites.py).
+own width; at a model's first and last site that is EchoConfig.edge_bits: `edge_width`). Site
+2l is layer l's attention block, 2l+1 its MLP block; the backward site of a block uses the same
+index, so layer l's bits apply in both directions (tp/sites.py).
 
 Presets: 'config' (None everywhere), 'uniform4', 'uniform8', '16' (plain all-reduce), 'early8'
 (sites of the first n_layers // 2 layers at 8 bits, the rest at 4: SPEC §7); 'first8', 'last8',
-'ends8': the first site, the last, or both at 8 bits, the config's width elsewhere. Why the
-ends: with error feedback, the residual stream after site s carries only site s's own rounding
-error (the earlier ones are cancelled), so the last site's error is the one no feedback removes
-and reaches the logits whole; the first site's error is the largest relative to the stream (the
-embeddings are small), and every block of layer 0 reads it.
+'ends8': the first site, the last, or both at 8 bits, None elsewhere (so under the default
+edge_bits the other end is at 8 bits too; with edge_bits=0 they widen only their own sites;
+why the ends matter: EchoConfig.edge_bits).
 
 Telemetry policies, 'telemetry@B' and 'telemetry-rel@B' (B: average wire bits per value, e.g.
 5.0): chosen from the collective's own error telemetry (echo_tp.telemetry) on a calibration
@@ -221,7 +220,7 @@ def edge_width(config: EchoConfig, bits: int | None, site: int, n_layers: int) -
         return bits
     if site in (0, SITES_PER_LAYER * n_layers - 1):
         return max(config.bits, config.edge_bits)
-    return None
+    return bits
 
 
 def gather_width(config: EchoConfig, bits: int | None) -> int:
