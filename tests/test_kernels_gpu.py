@@ -37,7 +37,8 @@ def _all_fp16_scales() -> torch.Tensor:
 
 
 def _fast_divide(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """_div_by_scale compiled: x [G, 128] / s [G] (G a multiple of 16), CUDA fp32."""
+    """_div_by_scale compiled: x [G, 128] / s [G] (G a multiple of 16; s broadcast per
+    row, as the kernels broadcast a group's step), CUDA fp32."""
     import triton
     import triton.language as tl
 
@@ -47,7 +48,7 @@ def _fast_divide(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     def div_kernel(x_ptr, s_ptr, out_ptr, BG: tl.constexpr, GS: tl.constexpr):
         grp = tl.program_id(0) * BG + tl.arange(0, BG)
         offs = grp[:, None] * GS + tl.arange(0, GS)[None, :]
-        v = _div_by_scale(tl.load(x_ptr + offs), tl.load(s_ptr + grp))
+        v = _div_by_scale(tl.load(x_ptr + offs), tl.load(s_ptr + grp)[:, None])
         tl.store(out_ptr + offs, v)
 
     out = torch.empty_like(x)

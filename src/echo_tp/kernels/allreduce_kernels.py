@@ -42,8 +42,8 @@ import triton
 import triton.language as tl
 
 from .flags import gated, signal, wait_geq
-from .quant_kernels import (F32_MAX, HW_FORMS, _cast_out, _cast_sat, _codes, _dequant,
-                            _group_params, _load_codes, _load_f32, _sat, _sat_out, _store_codes,
+from .quant_kernels import (F32_MAX, KMAGIC, _cast_out, _cast_sat, _codes, _dequant, _groups,
+                            _group_params, _lanes, _load_codes, _load_f32, _sat, _store_codes,
                             _word_scale)
 
 
@@ -124,24 +124,12 @@ def _finite_or_0(v):
 def _as_f32_of_out(v, X_KIND: tl.constexpr):
     """fp32 value of the saturating cast of v to the output dtype (what y.to(float32) reads
     back)."""
-    v = _sat_out(v, X_KIND)
-    if X_KIND == 2:
-        if HW_FORMS:
-            out = v.to(tl.bfloat16).to(tl.float32)
-        else:
-            b = v.to(tl.uint32, bitcast=True)
-            r = ((b + (0x7FFF + ((b >> 16) & 1))) >> 16) << 16
-            out = tl.where(v != v, v, r.to(tl.float32, bitcast=True))
-    elif X_KIND == 1:
-        out = v.to(tl.float16).to(tl.float32)
-    else:
-        out = v
-    return out
+    return _cast_sat(v, X_KIND).to(tl.float32)
 
 
 @triton.jit
 def _store_y(y_ptr, res_ptr, e, emask, y32, X_KIND: tl.constexpr, ADD: tl.constexpr):
-    """y = cast_sat(y32) [SG, GS] at element ids e; ADD: residual + y there instead, i.e.
+    """y = cast_sat(y32) [V, SG, T, 8] at element ids e; ADD: residual + y there instead, i.e.
     torch's `residual + y` of the two output-dtype tensors: their fp32 values added, rounded
     once to the dtype (RNE, inf on overflow: no saturation, as torch)."""
     if ADD:
@@ -164,11 +152,11 @@ def _buffer(table_ptr, rank):
 
 
 @triton.jit
-def _store_packet(dst, scale_off, zero_off, grp, gmask, q, sw, z16, GS: tl.constexpr,
-                  BITS: tl.constexpr, BG: tl.constexpr, QUANT: tl.constexpr):
-    """Write one tile (groups grp) of a packet into the slot at dst: codes | scale words (int16)
-    | fp16 zeros."""
-    _store_codes(dst, grp, q, gmask, GS, BITS, BG)
+def _store_packet(dst, scale_off, zero_off, grp, gmask, t, sw, z16, GS: tl.constexpr,
+                  BITS: tl.constexpr, VT: tl.constexpr, QUANT: tl.constexpr):
+    """Write one step (groups grp [1, SG, 1, 1], magic-rounded codes t [V, SG, T, 8]) of a
+    packet into the slot at dst: codes | scale words (int16) | fp16 zeros."""
+    _store_codes(dst, grp, gmask, t, GS, BITS, VT)
     tl.store((dst + scale_off).to(tl.pointer_type(tl.int16)) + grp, sw, mask=gmask)
     if QUANT != 2:
         tl.store((dst + zero_off).to(tl.pointer_type(tl.float16)) + grp, z16, mask=gmask)
@@ -176,9 +164,9 @@ def _store_packet(dst, scale_off, zero_off, grp, gmask, q, sw, z16, GS: tl.const
 
 @triton.jit
 def _decode_slot(src, scale_off, zero_off, grp, gmask, GS: tl.constexpr, BITS: tl.constexpr,
-                 BG: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr):
-    """One tile of the packet in the slot at src -> fp32 [BG, GS]."""
-    q = _load_codes(src, grp, gmask, GS, BITS, BG)
+                 VT: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr, SAT: tl.constexpr):
+    """One step of the packet in the slot at src -> fp32 [V, SG, T, 8] (SAT: _dequant's)."""
+    qf = _load_codes(src, grp, gmask, GS, BITS, VT)
     sf = _word_scale(tl.load((src + scale_off).to(tl.pointer_type(tl.int16)) + grp, mask=gmask,
                              other=0x3C00, cache_modifier=".cg"))         # masked lanes: 1.0
     if QUANT == 2:
@@ -186,7 +174,7 @@ def _decode_slot(src, scale_off, zero_off, grp, gmask, GS: tl.constexpr, BITS: t
     else:
         zf = tl.load((src + zero_off).to(tl.pointer_type(tl.float16)) + grp, mask=gmask,
                      other=0.0, cache_modifier=".cg").to(tl.float32)
-    return _dequant(q, sf, zf, QUANT, QMAX)
+    return _dequant(qf, sf, zf, QUANT, QMAX, SAT)
 
 
 # ----------------------------------------------------------------------------- backward scale
@@ -205,13 +193,15 @@ def amax_kernel(x_ptr, m1_ptr, m2_ptr, out_ptr, n, eta, a, oma, X_KIND: tl.const
 
 
 @triton.jit
-def _step_ids(t, c, j, seg, groups, n, BG: tl.constexpr, SG: tl.constexpr, GS: tl.constexpr):
-    """Step c of tile t in segment j: its groups grp [SG] (within a segment), their mask, the
-    element ids e [SG, GS] (int64, within x) and theirs."""
-    grp = t * BG + c * SG + tl.arange(0, SG)
+def _step_ids(t, c, j, seg, groups, n, BG: tl.constexpr, SG: tl.constexpr, GS: tl.constexpr,
+              VT: tl.constexpr):
+    """Step c of tile t in segment j (quant_kernels' tiling): its groups grp [1, SG, 1, 1]
+    (within a segment), their mask, the element ids e [V, SG, T, 8] (int64, within x) and
+    theirs."""
+    grp = _groups(t * BG + c * SG, SG)
     gmask = grp < groups
-    e = (tl.zeros([], tl.int64) + j) * seg + grp[:, None] * GS + tl.arange(0, GS)[None, :]
-    return grp, gmask, e, gmask[:, None] & (e < n)
+    e = (tl.zeros([], tl.int64) + j) * seg + grp * GS + _lanes(GS, VT)
+    return grp, gmask, e, gmask & (e < n)
 
 
 # ----------------------------------------------------------------------------- per-tile stages
@@ -223,7 +213,7 @@ def _entry_tile(t, j, ep, x_ptr, m1_ptr, m2_ptr, fs_ptr, table_ptr,
                 n, seg, groups, slot, scale_off, zero_off, flags_off, tiles,
                 eta, a, oma, b1, omb1, b2, omb2,
                 RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr, BG: tl.constexpr,
-                SG: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
+                SG: tl.constexpr, GS: tl.constexpr, VT: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
                 LEVELS: tl.constexpr, QMAX: tl.constexpr, COMP: tl.constexpr,
                 SCALED: tl.constexpr, LOCAL: tl.constexpr):
     """Quantize tile t of segment j (!= RANK) and push it to owner j; signal recv[RANK][t].
@@ -231,15 +221,15 @@ def _entry_tile(t, j, ep, x_ptr, m1_ptr, m2_ptr, fs_ptr, table_ptr,
     next step computes, and one release (a system-scope fence) covers the whole tile."""
     peer = _buffer(table_ptr, j)
     for c in tl.range(0, BG // SG):
-        grp, gmask, e, emask = _step_ids(t, c, j, seg, groups, n, BG, SG, GS)
+        grp, gmask, e, emask = _step_ids(t, c, j, seg, groups, n, BG, SG, GS, VT)
         xp, m1, m2, xs, f = _x_scaled(x_ptr, m1_ptr, m2_ptr, fs_ptr, e, emask, eta, a, oma,
                                       X_KIND, COMP, SCALED)
         sw, sf, z16, zf, finite = _group_params(xs, QUANT, LEVELS, QMAX)
         q = _codes(xs, sf, zf, finite, QUANT, LEVELS, QMAX)
         _store_packet(peer + _slot(RANK, slot), scale_off, zero_off, grp, gmask, q, sw, z16,
-                      GS, BITS, SG, QUANT)                 # peer j's receive slot of RANK
+                      GS, BITS, VT, QUANT)                 # peer j's receive slot of RANK
         if LOCAL:
-            err = xs - _dequant(q, sf, zf, QUANT, QMAX)    # x'_j - decode(encode(x'_j))
+            err = xs - _dequant(q - KMAGIC, sf, zf, QUANT, QMAX, True)   # x' - x^
             if SCALED:
                 err = err * tl.math.div_rn(tl.full([], 1.0, tl.float32), f)
             _update(m1_ptr, m2_ptr, e, emask, m1, m2, err, b1, omb1, b2, omb2)
@@ -251,7 +241,7 @@ def _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_ptr
                  n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
                  eta, a, oma, b1, omb1, b2, omb2,
                  RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr, BG: tl.constexpr,
-                 SG: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
+                 SG: tl.constexpr, GS: tl.constexpr, VT: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
                  LEVELS: tl.constexpr, QMAX: tl.constexpr, COMP: tl.constexpr,
                  SCALED: tl.constexpr, LOCAL: tl.constexpr, USE_TIMER: tl.constexpr,
                  OWN_Y: tl.constexpr, ADD: tl.constexpr, HALF: tl.constexpr):
@@ -278,9 +268,9 @@ def _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_ptr
                                    timeout, USE_TIMER)
     for c in tl.range(0, BG // SG):
         if HALF == 2:
-            grp, gmask, e, emask = _step_ids(t, c, 0, seg, groups, n, BG, SG, GS)
+            grp, gmask, e, emask = _step_ids(t, c, 0, seg, groups, n, BG, SG, GS, VT)
         else:
-            grp, gmask, e, emask = _step_ids(t, c, RANK, seg, groups, n, BG, SG, GS)
+            grp, gmask, e, emask = _step_ids(t, c, RANK, seg, groups, n, BG, SG, GS, VT)
         xp, m1, m2, xs, f = _x_scaled(x_ptr, m1_ptr, m2_ptr, fs_ptr, e, emask, eta, a, oma,
                                       X_KIND, COMP, SCALED)
         if HALF == 2:
@@ -291,7 +281,7 @@ def _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_ptr
                     v = xs
                 else:
                     v = _decode_slot(own + _slot(r, slot), scale_off, zero_off, grp, gmask,
-                                     GS, BITS, SG, QUANT, QMAX)
+                                     GS, BITS, VT, QUANT, QMAX, True)
                 if r == 0:
                     acc = v
                 else:
@@ -312,16 +302,16 @@ def _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_ptr
             pmask = gated(gmask, ok)
             for i in tl.static_range(P):                   # own slot last
                 dst = _buffer(table_ptr, (RANK + 1 + i) % P) + _slot(P + RANK, slot)
-                _store_packet(dst, scale_off, zero_off, grp, pmask, q, sw, z16, GS, BITS, SG,
+                _store_packet(dst, scale_off, zero_off, grp, pmask, q, sw, z16, GS, BITS, VT,
                               QUANT)
             if HALF == 2:
                 if LOCAL:
-                    u = xs - _dequant(q, sf, zf, QUANT, QMAX)   # x' - decode(encode(x'))
+                    u = xs - _dequant(q - KMAGIC, sf, zf, QUANT, QMAX, True)  # x' - x^
                     if SCALED:
                         u = u * tl.math.div_rn(tl.full([], 1.0, tl.float32), f)
                     _update(m1_ptr, m2_ptr, e, emask, m1, m2, u, b1, omb1, b2, omb2)
             elif LOCAL or OWN_Y:
-                y32 = _dequant(q, sf, zf, QUANT, QMAX)     # = decode of the packet just sent
+                y32 = _dequant(q - KMAGIC, sf, zf, QUANT, QMAX, SCALED)   # the packet's decode
                 if SCALED:
                     inv = tl.math.div_rn(tl.full([], 1.0, tl.float32), f)
                     y32 = y32 * inv
@@ -347,7 +337,7 @@ def _tail_tile(t, j, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_pt
                n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
                eta, a, oma, b1, omb1, b2, omb2,
                RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr, BG: tl.constexpr,
-               SG: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
+               SG: tl.constexpr, GS: tl.constexpr, VT: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
                QMAX: tl.constexpr, PF: tl.constexpr, COMP: tl.constexpr,
                SCALED: tl.constexpr, OUTPUT: tl.constexpr, USE_TIMER: tl.constexpr,
                ADD: tl.constexpr):
@@ -359,10 +349,10 @@ def _tail_tile(t, j, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_pt
     ok = wait_geq(flags + (P + j) * tiles + t, ep, flags + 2 * P * tiles, err_rec, RANK, 2,
                   t, j, timeout, USE_TIMER)
     for c in tl.range(0, BG // SG):
-        grp, gmask, e, emask = _step_ids(t, c, j, seg, groups, n, BG, SG, GS)
+        grp, gmask, e, emask = _step_ids(t, c, j, seg, groups, n, BG, SG, GS, VT)
         emask = gated(emask, ok)
         y32 = _decode_slot(own + _slot(P + j, slot), scale_off, zero_off, grp, gmask, GS, BITS,
-                           SG, QUANT, QMAX)
+                           VT, QUANT, QMAX, SCALED)   # unsaturated: every use saturates below
         if SCALED:
             y32 = y32 * tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.load(fs_ptr))
         _store_y(y_ptr, res_ptr, e, emask, y32, X_KIND, ADD)
@@ -380,14 +370,14 @@ def entry_kernel(x_ptr, m1_ptr, m2_ptr, fs_ptr, epoch_ptr, table_ptr,
                  n, seg, groups, slot, scale_off, zero_off, flags_off, tiles,
                  eta, a, oma, b1, omb1, b2, omb2,
                  RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr, BG: tl.constexpr,
-                 SG: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
+                 SG: tl.constexpr, GS: tl.constexpr, VT: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
                  LEVELS: tl.constexpr, QMAX: tl.constexpr, COMP: tl.constexpr,
                  SCALED: tl.constexpr, LOCAL: tl.constexpr):
     """grid (tiles, P-1): program (t, i) pushes tile t of segment RANK+1+i (mod P)."""
     j = (RANK + 1 + tl.program_id(1)) % P                 # destination owner, never RANK
     _entry_tile(tl.program_id(0), j, tl.load(epoch_ptr), x_ptr, m1_ptr, m2_ptr, fs_ptr,
                 table_ptr, n, seg, groups, slot, scale_off, zero_off, flags_off, tiles,
-                eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, BITS, QUANT, LEVELS,
+                eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, VT, BITS, QUANT, LEVELS,
                 QMAX, COMP, SCALED, LOCAL)
 
 
@@ -396,7 +386,7 @@ def reduce_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, epoch_ptr, tabl
                   n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
                   eta, a, oma, b1, omb1, b2, omb2,
                   RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr, BG: tl.constexpr,
-                  SG: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
+                  SG: tl.constexpr, GS: tl.constexpr, VT: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
                   LEVELS: tl.constexpr, QMAX: tl.constexpr, COMP: tl.constexpr,
                   SCALED: tl.constexpr, LOCAL: tl.constexpr, USE_TIMER: tl.constexpr,
                   OWN_Y: tl.constexpr, ADD: tl.constexpr, HALF: tl.constexpr):
@@ -405,7 +395,7 @@ def reduce_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, epoch_ptr, tabl
     (`_reduce_tile`)."""
     _reduce_tile(tl.program_id(0), tl.load(epoch_ptr), x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr,
                  fs_ptr, table_ptr, n, seg, groups, slot, scale_off, zero_off, flags_off, tiles,
-                 timeout, eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, BITS,
+                 timeout, eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, VT, BITS,
                  QUANT, LEVELS, QMAX, COMP, SCALED, LOCAL, USE_TIMER, OWN_Y, ADD, HALF)
 
 
@@ -414,7 +404,7 @@ def tail_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, epoch_ptr, table_
                 n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
                 eta, a, oma, b1, omb1, b2, omb2,
                 RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr, BG: tl.constexpr,
-                SG: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
+                SG: tl.constexpr, GS: tl.constexpr, VT: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
                 QMAX: tl.constexpr, PF: tl.constexpr, COMP: tl.constexpr,
                 SCALED: tl.constexpr, OUTPUT: tl.constexpr, USE_TIMER: tl.constexpr,
                 FIRST: tl.constexpr, ADD: tl.constexpr):
@@ -424,7 +414,7 @@ def tail_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, epoch_ptr, table_
     j = (RANK + FIRST + tl.program_id(1)) % P
     _tail_tile(tl.program_id(0), j, tl.load(epoch_ptr), x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr,
                fs_ptr, table_ptr, n, seg, groups, slot, scale_off, zero_off, flags_off, tiles,
-               timeout, eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, BITS, QUANT,
+               timeout, eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, VT, BITS, QUANT,
                QMAX, PF, COMP, SCALED, OUTPUT, USE_TIMER, ADD)
 
 
@@ -459,8 +449,8 @@ def reduce_tail_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, epoch_ptr,
                        lag, eta, a, oma, b1, omb1, b2, omb2,
                        RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr,
                        BG: tl.constexpr, SG: tl.constexpr, GS: tl.constexpr,
-                       BITS: tl.constexpr, QUANT: tl.constexpr, LEVELS: tl.constexpr,
-                       QMAX: tl.constexpr, PF: tl.constexpr, COMP: tl.constexpr,
+                       VT: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
+                       LEVELS: tl.constexpr, QMAX: tl.constexpr, PF: tl.constexpr, COMP: tl.constexpr,
                        SCALED: tl.constexpr, LOCAL: tl.constexpr, OUTPUT: tl.constexpr,
                        USE_TIMER: tl.constexpr, OWN_Y: tl.constexpr, ADD: tl.constexpr):
     """Reduce and tail in one launch, overlapped: grid ((NT+1) x tiles,) with NT = P - OWN_Y
@@ -480,12 +470,12 @@ def reduce_tail_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, epoch_ptr,
     if is_reduce:
         _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_ptr,
                      n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
-                     eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, BITS, QUANT,
+                     eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, VT, BITS, QUANT,
                      LEVELS, QMAX, COMP, SCALED, LOCAL, USE_TIMER, OWN_Y, ADD, 0)
     else:
         _tail_tile(t, j, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_ptr,
                    n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
-                   eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, BITS, QUANT,
+                   eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, VT, BITS, QUANT,
                    QMAX, PF, COMP, SCALED, OUTPUT, USE_TIMER, ADD)
 
 
@@ -494,7 +484,7 @@ def fused_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, epochs_ptr, tabl
                  n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
                  eta, a, oma, b1, omb1, b2, omb2,
                  RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr, BG: tl.constexpr,
-                 SG: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
+                 SG: tl.constexpr, GS: tl.constexpr, VT: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
                  LEVELS: tl.constexpr, QMAX: tl.constexpr, PF: tl.constexpr,
                  COMP: tl.constexpr, SCALED: tl.constexpr, LOCAL: tl.constexpr,
                  OUTPUT: tl.constexpr, USE_TIMER: tl.constexpr, ADD: tl.constexpr):
@@ -523,14 +513,14 @@ def fused_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, epochs_ptr, tabl
         for i in tl.static_range(P - 1):
             _entry_tile(t, (RANK + 1 + i) % P, ep, x_ptr, m1_ptr, m2_ptr, fs_ptr,
                         table_ptr, n, seg, groups, slot, scale_off, zero_off, flags_off,
-                        tiles, eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS,
+                        tiles, eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, VT,
                         BITS, QUANT, LEVELS, QMAX, COMP, SCALED, LOCAL)
         t += G
     t = c
     while t < tiles:
         _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_ptr,
                      n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
-                     eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, BITS, QUANT,
+                     eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, VT, BITS, QUANT,
                      LEVELS, QMAX, COMP, SCALED, LOCAL, USE_TIMER, False, False, 0)
         t += G
     t = c
@@ -539,7 +529,7 @@ def fused_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, epochs_ptr, tabl
             _tail_tile(t, (RANK + i) % P, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr,
                        table_ptr, n, seg, groups, slot, scale_off, zero_off, flags_off,
                        tiles, timeout, eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND,
-                       BG, SG, GS, BITS, QUANT, QMAX, PF, COMP, SCALED, OUTPUT, USE_TIMER, ADD)
+                       BG, SG, GS, VT, BITS, QUANT, QMAX, PF, COMP, SCALED, OUTPUT, USE_TIMER, ADD)
         t += G
     tl.debug_barrier()
     tl.store(epochs_ptr + c, ep)

@@ -30,7 +30,7 @@ from .allreduce_kernels import (amax_kernel, entry_kernel, fused_kernel, reduce_
                                 reduce_tail_kernel, tail_kernel)
 from .flags import next_call_kernel
 from .launcher import launch
-from .quant_kernels import DTYPE_KIND, LAUNCH_OPTS, spec_constexprs
+from .quant_kernels import DTYPE_KIND, LAUNCH_OPTS, spec_constexprs, values_per_thread
 
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 """Compensator state dtypes the kernels read and write (EchoConfig.state_dtype)."""
@@ -94,13 +94,22 @@ class Layout:
         return codes, scale.view(torch.float16), None if zero is None else zero.view(torch.float16)
 
 
+def step_warps(group_size: int, step: int, num_warps: int) -> tuple[int, int]:
+    """(VT, warps) of a step of `step` values asked to run on num_warps warps: VT values a
+    thread (quant_kernels' tiling), and no more warps than the step has runs of VT values
+    (more would hold copies of the same values)."""
+    vt = values_per_thread(group_size, step, num_warps)
+    return vt, max(1, min(num_warps, step // (32 * vt)))
+
+
 @functools.lru_cache(maxsize=1024)
 def _static_args(lay: Layout, cfg: EchoConfig, rank: int, dtype: torch.dtype, comp: bool,
-                 scaled: bool, step_elems: int, half: bool = False) -> tuple:
+                 scaled: bool, step_elems: int, half: bool = False,
+                 num_warps: int = 4) -> tuple:
     """The launch arguments fixed by (layout, config, rank, dtype): built once, not per call.
-    -> (layout scalars, compensator constants, constexprs common to the kernels, extra
-    constexprs by kernel name). half: a reduce-scatter or all-gather call (its residual is
-    always the own rounding errors)."""
+    -> (layout scalars, compensator constants, constexprs common to the kernels (num_warps
+    among them: step_warps), extra constexprs by kernel name). half: a reduce-scatter or
+    all-gather call (its residual is always the own rounding errors)."""
     spec = cfg.quant_spec()
     k = CompensatorConstants.from_config(cfg)
     scal = (lay.seg, lay.groups, lay.slot, lay.scale_off, lay.zero_off, lay.flags_off, lay.tiles)
@@ -110,8 +119,9 @@ def _static_args(lay: Layout, cfg: EchoConfig, rank: int, dtype: torch.dtype, co
     if sg & (sg - 1):
         raise ValueError(f"step_elems {step_elems} / group_size {spec.group_size} must be a "
                          "power of two")
+    vt, warps = step_warps(spec.group_size, sg * spec.group_size, num_warps)
     meta = dict(RANK=rank, P=lay.world_size, X_KIND=DTYPE_KIND[dtype], BG=lay.bg, SG=sg,
-                GS=ce["GS"], BITS=ce["BITS"], QUANT=ce["QUANT"])
+                GS=ce["GS"], VT=vt, BITS=ce["BITS"], QUANT=ce["QUANT"], num_warps=warps)
     local = comp and (half or cfg.residual == "local")
     output = comp and not half and cfg.residual == "output"
     per = {
@@ -168,7 +178,8 @@ class CallPlan:
         st = self.state
         scal, consts, meta, per = _static_args(self.lay, self.cfg, self.rank, self.x.dtype,
                                                st is not None, self.fs is not None,
-                                               self.step_elems, self.half is not None)
+                                               self.step_elems, self.half is not None,
+                                               self.num_warps)
         x = self.x
         ptrs = (x, st.m1, st.m2) if st is not None else (x, x, x)
         n = self.lay.world_size * self.lay.seg if self.half else x.numel()   # = P*m
@@ -195,7 +206,7 @@ class CallPlan:
         ptrs, scal, consts, meta, per = self._parts
         launch(entry_kernel, (self.lay.tiles, self.lay.world_size - 1),
                (*ptrs, self._fs(), self.epoch, self.table, *scal, *consts),
-               dict(**meta, **per["entry"], num_warps=self.num_warps, **self._stages()))
+               dict(**meta, **per["entry"], **self._stages()))
 
     @property
     def own_y(self) -> bool:
@@ -223,7 +234,7 @@ class CallPlan:
         launch(reduce_kernel, (self.lay.tiles,),
                (*ptrs, y, res, self._fs(), self.epoch, self.table, *scal, self.timeout, *consts),
                dict(**meta, **per["reduce"], USE_TIMER=self.use_timer, OWN_Y=self.own_y,
-                    ADD=add, HALF=half, num_warps=self.num_warps, **self._stages()))
+                    ADD=add, HALF=half, **self._stages()))
 
     def _check_half(self, *allowed) -> None:
         if self.half not in allowed:
@@ -240,7 +251,7 @@ class CallPlan:
         launch(tail_kernel, (self.lay.tiles, self.lay.world_size - first),
                (*ptrs, y, res, self._fs(), self.epoch, self.table, *scal, self.timeout, *consts),
                dict(**meta, **per["tail"], USE_TIMER=self.use_timer, FIRST=first, ADD=add,
-                    num_warps=self.num_warps, **self._stages()))
+                    **self._stages()))
 
     def reduce_tail(self, y: torch.Tensor, ticket: torch.Tensor, lag: int) -> None:
         """reduce() then tail(y) as one overlapped launch (`reduce_tail_kernel`; the
@@ -256,7 +267,7 @@ class CallPlan:
                (*ptrs, y, res, self._fs(), self.epoch, self.table, ticket, *scal, self.timeout,
                 max(0, min(lag, tiles)), *consts),
                dict(**meta, **per["reduce_tail"], USE_TIMER=self.use_timer, OWN_Y=own, ADD=add,
-                    num_warps=self.num_warps, **self._stages()))
+                    **self._stages()))
 
     def fused(self, y: torch.Tensor, programs: int) -> None:
         """The whole call in one launch of `programs` programs (<= epoch.numel(); the same on
@@ -268,7 +279,7 @@ class CallPlan:
         launch(fused_kernel, (grid,),
                (*ptrs, y, res, self._fs(), self.epoch, self.table, *scal, self.timeout, *consts),
                dict(**meta, **per["fused"], USE_TIMER=self.use_timer, ADD=add,
-                    num_warps=self.num_warps, **self._stages()))
+                    **self._stages()))
 
 
 def next_call(epoch: torch.Tensor, tables: torch.Tensor, table: torch.Tensor) -> None:

@@ -71,7 +71,88 @@ def spec_constexprs(spec: QuantSpec) -> dict:
                 LEVELS=float(spec.levels), QMAX=float(spec.qmax))
 
 
-# ----------------------------------------------------------------------------- device helpers
+# ----------------------------------------------------------------------------- tiling
+# Every kernel that quantizes holds a step of SG groups as a 4-D block [V, SG, T, 8]: element
+# (v, g, t, k) is value t*VT + v*8 + k of group g (VT values per thread, V = VT/8 runs of 8
+# values, T = GS/VT threads per group). Triton's coalescing gives each thread the runs of one
+# (g, t): the contiguous values [t*VT, (t+1)*VT) of its group, in V 16-byte accesses (2-byte
+# values). So a group's min and max are VT-1 operations in the thread and log2(T) shuffles, and
+# the per-group work (scale word, zero-point) runs once per VT values, not once per 8 (the 2-D
+# [SG, GS] block put 16 threads on each group). Per-group values keep the rank: [1, SG, 1, 1].
+# 4-bit codes travel as 32-bit words [V, SG, T], one per run of 8 values (element 8w+k in bits
+# 4k..4k+3: byte t of a group holds elements 2t (low nibble) and 2t+1, as quant.pack4).
+
+KMAGIC = tl.constexpr(12582912.0)
+"""1.5 * 2^23: v + KMAGIC (|v| < 2^22) rounds v to an integer half-to-even, held in the low
+mantissa bits (the sum's ulp is 1); its bit pattern is 0x4B400000 + the integer."""
+WORD_OFFSET = tl.constexpr(0x3F400000)
+"""sum_k (0x4B400000 << 4k) mod 2^32, k < 8: what 8 magic-rounded codes contribute to a
+packed word beyond the codes themselves (see _pack4)."""
+
+
+@triton.jit
+def _lanes(GS: tl.constexpr, VT: tl.constexpr):
+    """Offsets within a group, [V, 1, T, 8] int32: element (v, ., t, k) is value t*VT + v*8 + k."""
+    V: tl.constexpr = VT // 8
+    T: tl.constexpr = GS // VT
+    return (tl.arange(0, V)[:, None, None, None] * 8 + tl.arange(0, T)[None, None, :, None] * VT
+            + tl.arange(0, 8)[None, None, None, :])
+
+
+@triton.jit
+def _word_lanes(GS: tl.constexpr, VT: tl.constexpr):
+    """Offsets within a group's 4-bit codes in 32-bit words, [V, 1, T]: word t*VT/8 + v holds
+    the 8 codes of run (v, t)."""
+    V: tl.constexpr = VT // 8
+    T: tl.constexpr = GS // VT
+    return tl.arange(0, V)[:, None, None] + tl.arange(0, T)[None, None, :] * V
+
+
+@triton.jit
+def _groups(first, SG: tl.constexpr):
+    """Group ids first, ..., first+SG-1 as [1, SG, 1, 1] (first: int32 or int64 scalar)."""
+    return first + tl.arange(0, SG)[None, :, None, None]
+
+
+@triton.jit
+def _min_nan(a, b):
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _group_min_nan(x):
+    """x [V, SG, T, 8] -> [1, SG, 1, 1] minimum per group, NaN if the group holds one
+    (in-thread axes first, then the T threads of a group)."""
+    r = tl.reduce(x, 3, _min_nan, keep_dims=True)
+    r = tl.reduce(r, 0, _min_nan, keep_dims=True)
+    return tl.reduce(r, 2, _min_nan, keep_dims=True)
+
+
+@triton.jit
+def _group_max_nan(x):
+    """x [V, SG, T, 8] -> [1, SG, 1, 1] maximum per group, NaN if the group holds one."""
+    r = tl.reduce(x, 3, _max_nan, keep_dims=True)
+    r = tl.reduce(r, 0, _max_nan, keep_dims=True)
+    return tl.reduce(r, 2, _max_nan, keep_dims=True)
+
+
+@triton.jit
+def _group_min(x):
+    """x [V, SG, T, 8] -> [1, SG, 1, 1] minimum per group (tl.min: a builtin the interpreter
+    runs as one numpy call)."""
+    return tl.min(tl.min(tl.min(x, 3, keep_dims=True), 0, keep_dims=True), 2, keep_dims=True)
+
+
+@triton.jit
+def _group_max(x):
+    """x [V, SG, T, 8] -> [1, SG, 1, 1] maximum per group (builtin, as _group_min)."""
+    return tl.max(tl.max(tl.max(x, 3, keep_dims=True), 0, keep_dims=True), 2, keep_dims=True)
+
 
 @triton.jit
 def _rint(v):
@@ -85,8 +166,8 @@ def _rint(v):
 
 @triton.jit
 def _div_by_scale(x, sf):
-    """x [BG, GS] / sf [BG] (sf the value of a finite scale word, in [2^-126, 2^126) so that
-    1/sf is a normal fp32), IEEE round to nearest.
+    """x [..] / sf (per group, broadcastable to x; the value of a finite scale word, in
+    [2^-126, 2^126) so that 1/sf is a normal fp32), IEEE round to nearest.
 
     Compiled: the instruction sequence the GPU's own `div.rn.f32` runs on its fast path, with
     the reciprocal refined once per group instead of once per value (3 FMAs per value instead of
@@ -100,28 +181,18 @@ def _div_by_scale(x, sf):
         # Tiny steps (tagged words below fp16's 2^-24): x and s times 2^64, exactly, so that
         # no dividend or residual below is subnormal (the fast path's range; the quotient is
         # the same real number, so IEEE rounds it the same). |x| <= (L + 2 Z_MAX) s there.
-        f = tl.where(sf < 5.9604644775390625e-08, 18446744073709551616.0, 1.0)   # [BG]
+        f = tl.where(sf < 5.9604644775390625e-08, 18446744073709551616.0, 1.0)   # per group
         sf = sf * f
-        x = x * f[:, None]
+        x = x * f
         r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [sf],
                                       dtype=tl.float32, is_pure=True, pack=1)
         nb = sf * -1.0
-        y = tl.fma(r, tl.fma(nb, r, 1.0), r)[:, None]    # refined 1/s  [BG, 1]
+        y = tl.fma(r, tl.fma(nb, r, 1.0), r)             # refined 1/s, per group
         q0 = tl.fma(x, y, 0.0)
-        v = tl.fma(y, tl.fma(nb[:, None], q0, x), q0)
+        v = tl.fma(y, tl.fma(nb, q0, x), q0)
     else:
-        v = tl.math.div_rn(x, sf[:, None])
+        v = tl.math.div_rn(x, sf)
     return v
-
-
-@triton.jit
-def _min_nan(a, b):
-    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
-def _max_nan(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -162,8 +233,24 @@ def _sat_out(v, X_KIND: tl.constexpr):
 
 @triton.jit
 def _cast_sat(v, X_KIND: tl.constexpr):
-    """fp32 -> the output dtype, saturating (quant.saturate): finite v, finite result."""
-    return _cast_out(_sat_out(v, X_KIND), X_KIND)
+    """fp32 -> the output dtype, saturating (quant.saturate: clamp at the dtype's largest
+    finite value, then round to nearest even; NaN stays NaN). Compiled, 16-bit outputs: one
+    `cvt.rn.satfinite` per two values, which rounds and saturates the same way (a value past
+    the largest finite one, infinities included, becomes it)."""
+    if X_KIND == 0:
+        out = _sat(v, F32_MAX)
+    elif HW_FORMS:
+        if X_KIND == 2:
+            out = tl.inline_asm_elementwise("cvt.rn.satfinite.bf16x2.f32 $0, $2, $1;",
+                                            "=r,r,r", [v], dtype=tl.bfloat16, is_pure=True,
+                                            pack=2)
+        else:
+            out = tl.inline_asm_elementwise("cvt.rn.satfinite.f16x2.f32 $0, $2, $1;",
+                                            "=r,r,r", [v], dtype=tl.float16, is_pure=True,
+                                            pack=2)
+    else:
+        out = _cast_out(_sat_out(v, X_KIND), X_KIND)
+    return out
 
 
 @triton.jit
@@ -192,7 +279,7 @@ def _nan16(like):
 
 @triton.jit
 def _scale_word(s, finite):
-    """fp32 steps s [BG] (positive; 1.0 where not finite) -> scale words int16 [BG]
+    """fp32 steps s (per group; positive, 1.0 where not finite) -> int16 scale words
     (quant.scale_word): the fp16 rounded up inside [2^-24, 65504], else 0x8000 | the bf16
     rounded up (>= 2^-126); 0x7E00 where not finite."""
     fits = (s >= 5.9604644775390625e-08) & (s <= 65504.0)
@@ -209,24 +296,23 @@ def _scale_word(s, finite):
 
 @triton.jit
 def _word_scale(w):
-    """Scale words int16 [BG] -> their fp32 steps [BG] (quant.scale_value; NaN for 0x7E00)."""
+    """int16 scale words -> their fp32 steps (quant.scale_value; NaN for 0x7E00)."""
     bf = ((w.to(tl.int32) & 0x7FFF) << 16).to(tl.float32, bitcast=True)   # tagged: bf16
     return tl.where(w < 0, bf, w.to(tl.float16, bitcast=True).to(tl.float32))
 
 
 @triton.jit
-def _group_params(x, QUANT: tl.constexpr, LEVELS: tl.constexpr, QMAX: tl.constexpr,
-):
-    """x fp32 [BG, GS] -> (scale words int16 [BG], sf [BG] fp32, z16 [BG] fp16, zf [BG] fp32,
-    finite [BG] bool); the zero outputs are unused for the symmetric policy."""
+def _group_params(x, QUANT: tl.constexpr, LEVELS: tl.constexpr, QMAX: tl.constexpr):
+    """x fp32 [V, SG, T, 8] -> per group [1, SG, 1, 1]: (scale words int16, sf fp32, z16 fp16,
+    zf fp32, finite bool); the zero outputs are unused for the symmetric policy."""
     if HW_FORMS:                                         # NaN in the group -> lo, hi NaN
-        lo = tl.reduce(x, 1, _min_nan)
-        hi = tl.reduce(x, 1, _max_nan)
+        lo = _group_min_nan(x)
+        hi = _group_max_nan(x)
         finite = (lo >= -3.4028234663852886e38) & (hi <= 3.4028234663852886e38)
-    else:   # the interpreter runs custom reductions element by element in Python: 3 builtins
-        finite = tl.min((tl.abs(x) <= 3.4028234663852886e38).to(tl.int32), axis=1) > 0
-        lo = tl.min(x, axis=1)
-        hi = tl.max(x, axis=1)
+    else:   # the interpreter runs custom reductions element by element in Python: builtins
+        finite = _group_min((tl.abs(x) <= 3.4028234663852886e38).to(tl.int32)) > 0
+        lo = _group_min(x)
+        hi = _group_max(x)
     d = tl.maximum(tl.maximum(lo, hi * -1.0), 0.0)    # distance from 0 to [lo, hi]
     if QUANT == 2:
         amax = tl.maximum(tl.abs(lo), tl.abs(hi))
@@ -260,69 +346,92 @@ def _group_params(x, QUANT: tl.constexpr, LEVELS: tl.constexpr, QMAX: tl.constex
 
 @triton.jit
 def _codes(x, sf, zf, finite, QUANT: tl.constexpr, LEVELS: tl.constexpr, QMAX: tl.constexpr):
-    """x fp32 [BG, GS] with fp32 params [BG] -> codes uint8 [BG, GS] (0 in non-finite groups).
+    """x fp32 [V, SG, T, 8] with per-group params -> the codes as magic-rounded fp32 (KMAGIC +
+    code, exactly; code 0 in non-finite groups): `_code_bits` / `_pack4` store them, `- KMAGIC`
+    is the code's value.
 
     Unfused form (quant.py): q = clip(round(x/s + z), 0, L), or clip(round(x/s), -Q, Q) + Q+1.
     Clipping to integer bounds commutes with rounding, so the value is clipped first; then one
-    add of K = 1.5*2^23 (+ Q+1, K even) rounds it half-to-even (the sum's ulp is 1) and leaves
-    the code in the low mantissa bits: no float -> int conversion instruction."""
+    add of KMAGIC (+ Q+1, KMAGIC even) rounds it half-to-even: no float -> int conversion.
+    Non-finite groups (NaN scale and zero-point): compiled, the asymmetric clip's PTX max/min
+    return the bound for NaN, i.e. code 0 with no select; the interpreter (numpy's min/max
+    propagate NaN) and the symmetric form select the code."""
     v = _div_by_scale(x, sf)
     if QUANT == 2:
-        t = tl.minimum(tl.maximum(v, QMAX * -1.0), QMAX) + (12582912.0 + QMAX + 1.0)
+        t = tl.minimum(tl.maximum(v, QMAX * -1.0), QMAX) + (KMAGIC + QMAX + 1.0)
+        t = tl.where(finite, t, KMAGIC)
     else:
-        t = tl.minimum(tl.maximum(v + zf[:, None], 0.0), LEVELS) + 12582912.0
-    q = t.to(tl.int32, bitcast=True) - 0x4B400000          # bits of 1.5*2^23
-    q = tl.where(finite[:, None], q, 0)
-    return q.to(tl.uint8)
+        t = tl.minimum(tl.maximum(v + zf, 0.0), LEVELS) + KMAGIC
+        if not HW_FORMS:
+            t = tl.where(finite, t, KMAGIC)
+    return t
 
 
 @triton.jit
-def _code_f32(q):
-    """uint8 codes -> their fp32 values (exact: 2^23 + q has ulp 1; no int -> float convert)."""
-    return (q.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-
-
-@triton.jit
-def _dequant(q, sf, zf, QUANT: tl.constexpr, QMAX: tl.constexpr):
-    """codes uint8 [BG, GS], fp32 params [BG] -> fp32 [BG, GS]: s * (q - z), saturated at
-    +-fp32 max (quant.dequantize_groups)."""
-    qf = _code_f32(q)
+def _dequant(qf, sf, zf, QUANT: tl.constexpr, QMAX: tl.constexpr, SAT: tl.constexpr):
+    """Codes as exact fp32 values qf [V, SG, T, 8], per-group params -> fp32 s * (q - z)
+    (quant.dequantize_groups); SAT: saturated at +-fp32 max, as the reference. Off only where
+    every use saturates at the output dtype's smaller bound anyway (the tail's y)."""
     if QUANT == 2:
-        out = sf[:, None] * (qf - (QMAX + 1.0))
+        out = sf * (qf - (QMAX + 1.0))
     else:
-        out = sf[:, None] * (qf - zf[:, None])
-    return _sat(out, F32_MAX)
+        out = sf * (qf - zf)
+    if SAT:
+        out = _sat(out, F32_MAX)
+    return out
 
 
 @triton.jit
-def _store_codes(ptr, grp, q, mask, GS: tl.constexpr, BITS: tl.constexpr, BG: tl.constexpr):
-    """Write codes [BG, GS] of groups grp [BG] at ptr (uint8*, group-major; 4-bit packed)."""
-    if BITS == 4:
-        lo, hi = tl.split(tl.reshape(q, (BG, GS // 2, 2)))
-        packed = (lo | (hi << 4)).to(tl.uint8)
-        offs = grp[:, None] * (GS // 2) + tl.arange(0, GS // 2)[None, :]
-        tl.store(ptr + offs, packed, mask=mask[:, None])
-    else:
-        offs = grp[:, None] * GS + tl.arange(0, GS)[None, :]
-        tl.store(ptr + offs, q, mask=mask[:, None])
+def _pack4(t):
+    """Magic-rounded codes [V, SG, T, 8] -> uint32 words [V, SG, T], code k in bits 4k..4k+3.
+    Each code's bit pattern is 0x4B400000 + code, so sum_k bits_k << 4k (mod 2^32) is the word
+    plus the constant WORD_OFFSET: one shift-add per code, one subtraction per word."""
+    b = t.to(tl.uint32, bitcast=True)
+    shifts = (tl.arange(0, 8) * 4).to(tl.uint32)[None, None, None, :]
+    return (tl.sum(b << shifts, axis=3) - WORD_OFFSET).to(tl.uint32)
 
 
 @triton.jit
-def _load_codes(ptr, grp, mask, GS: tl.constexpr, BITS: tl.constexpr, BG: tl.constexpr):
-    """Read codes [BG, GS] uint8 of groups grp [BG] from ptr (inverse of _store_codes)."""
+def _unpack4(w):
+    """uint32 words [V, SG, T] -> the codes' exact fp32 values [V, SG, T, 8] (2^23 + code has
+    ulp 1: or the nibble into 2^23's bits, subtract 2^23)."""
+    shifts = (tl.arange(0, 8) * 4).to(tl.uint32)[None, None, None, :]
+    q = ((w[:, :, :, None] >> shifts) & 0xF) | 0x4B000000
+    return q.to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _store_codes(ptr, grp, gmask, t, GS: tl.constexpr, BITS: tl.constexpr, VT: tl.constexpr):
+    """Write the magic-rounded codes t [V, SG, T, 8] of groups grp [1, SG, 1, 1] at ptr
+    (uint8*, group-major; 4-bit: packed words)."""
     if BITS == 4:
-        offs = grp[:, None] * (GS // 2) + tl.arange(0, GS // 2)[None, :]
-        p = tl.load(ptr + offs, mask=mask[:, None], other=0, cache_modifier=".cg")
-        q = tl.reshape(tl.join(p & 0xF, p >> 4), (BG, GS))
+        words = tl.reshape(grp, (1, grp.shape[1], 1)) * (GS // 8) + _word_lanes(GS, VT)
+        wmask = tl.reshape(gmask, (1, gmask.shape[1], 1))
+        tl.store(ptr.to(tl.pointer_type(tl.uint32)) + words, _pack4(t), mask=wmask)
     else:
-        offs = grp[:, None] * GS + tl.arange(0, GS)[None, :]
-        q = tl.load(ptr + offs, mask=mask[:, None], other=0, cache_modifier=".cg")
-    return q
+        q = (t.to(tl.int32, bitcast=True) & 0xFF).to(tl.uint8)
+        tl.store(ptr + grp * GS + _lanes(GS, VT), q, mask=gmask)
+
+
+@triton.jit
+def _load_codes(ptr, grp, gmask, GS: tl.constexpr, BITS: tl.constexpr, VT: tl.constexpr):
+    """Read the codes of groups grp [1, SG, 1, 1] at ptr as exact fp32 values [V, SG, T, 8]
+    (inverse of _store_codes; masked groups read code 0)."""
+    if BITS == 4:
+        words = tl.reshape(grp, (1, grp.shape[1], 1)) * (GS // 8) + _word_lanes(GS, VT)
+        wmask = tl.reshape(gmask, (1, gmask.shape[1], 1))
+        w = tl.load(ptr.to(tl.pointer_type(tl.uint32)) + words, mask=wmask, other=0,
+                    cache_modifier=".cg")
+        qf = _unpack4(w)
+    else:
+        q = tl.load(ptr + grp * GS + _lanes(GS, VT), mask=gmask, other=0, cache_modifier=".cg")
+        qf = (q.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    return qf
 
 
 @triton.jit
 def _load_params(scale_ptr, zero_ptr, grp, mask, QUANT: tl.constexpr):
-    """Scale word (fp16-sized, at scale_ptr) and fp16 zero of groups grp [BG] -> fp32 (sf, zf)
+    """Scale word (fp16-sized, at scale_ptr) and fp16 zero of groups grp -> fp32 (sf, zf)
     (masked lanes: 1.0, 0.0)."""
     w = tl.load(scale_ptr.to(tl.pointer_type(tl.int16)) + grp, mask=mask, other=0x3C00,
                 cache_modifier=".cg")
@@ -338,18 +447,17 @@ def _load_params(scale_ptr, zero_ptr, grp, mask, QUANT: tl.constexpr):
 
 @triton.jit
 def quantize_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, n_groups,
-                    X_KIND: tl.constexpr, BG: tl.constexpr, GS: tl.constexpr,
+                    X_KIND: tl.constexpr, BG: tl.constexpr, GS: tl.constexpr, VT: tl.constexpr,
                     BITS: tl.constexpr, QUANT: tl.constexpr, LEVELS: tl.constexpr,
                     QMAX: tl.constexpr):
     """x [n_groups*GS] -> codes (packed at 4 bits), scale words [n_groups] (fp16-sized),
-    fp16 zero [n_groups]."""
-    grp = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG)     # group ids [BG]
+    fp16 zero [n_groups]; BG groups a program (module tiling)."""
+    grp = _groups(tl.program_id(0).to(tl.int64) * BG, BG)           # [1, BG, 1, 1]
     gmask = grp < n_groups
-    offs = grp[:, None] * GS + tl.arange(0, GS)[None, :]            # element ids [BG, GS]
-    x = _load_f32(x_ptr + offs, gmask[:, None], X_KIND)
+    x = _load_f32(x_ptr + grp * GS + _lanes(GS, VT), gmask, X_KIND)  # [V, BG, T, 8]
     sw, sf, z16, zf, finite = _group_params(x, QUANT, LEVELS, QMAX)
-    q = _codes(x, sf, zf, finite, QUANT, LEVELS, QMAX)
-    _store_codes(codes_ptr, grp, q, gmask, GS, BITS, BG)
+    _store_codes(codes_ptr, grp, gmask, _codes(x, sf, zf, finite, QUANT, LEVELS, QMAX), GS,
+                 BITS, VT)
     tl.store(scale_ptr.to(tl.pointer_type(tl.int16)) + grp, sw, mask=gmask)
     if QUANT != 2:
         tl.store(zero_ptr + grp, z16, mask=gmask)
@@ -357,22 +465,36 @@ def quantize_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, n_groups,
 
 @triton.jit
 def dequantize_kernel(codes_ptr, scale_ptr, zero_ptr, out_ptr, n_groups,
-                      BG: tl.constexpr, GS: tl.constexpr, BITS: tl.constexpr,
+                      BG: tl.constexpr, GS: tl.constexpr, VT: tl.constexpr, BITS: tl.constexpr,
                       QUANT: tl.constexpr, QMAX: tl.constexpr):
     """codes, scale words, fp16 zero -> fp32 out [n_groups*GS] = s * (q - z)."""
-    grp = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG)
+    grp = _groups(tl.program_id(0).to(tl.int64) * BG, BG)
     gmask = grp < n_groups
-    q = _load_codes(codes_ptr, grp, gmask, GS, BITS, BG)
+    qf = _load_codes(codes_ptr, grp, gmask, GS, BITS, VT)
     sf, zf = _load_params(scale_ptr, zero_ptr, grp, gmask, QUANT)
-    offs = grp[:, None] * GS + tl.arange(0, GS)[None, :]
-    tl.store(out_ptr + offs, _dequant(q, sf, zf, QUANT, QMAX), mask=gmask[:, None])
+    tl.store(out_ptr + grp * GS + _lanes(GS, VT), _dequant(qf, sf, zf, QUANT, QMAX, True),
+             mask=gmask)
 
 
 # ----------------------------------------------------------------------------- host wrappers
 
+def values_per_thread(group_size: int, step: int, num_warps: int) -> int:
+    """VT of the module tiling for a step of `step` values on num_warps warps: the step spread
+    over every thread, at least 8 (one 16-byte run) and at most the group."""
+    vt = max(8, step // (32 * num_warps))
+    return min(group_size, 1 << (vt.bit_length() - 1))
+
+
 def _block_groups(group_size: int) -> int:
-    """Groups per program: about 2048 values a program."""
-    return max(1, 2048 // group_size)
+    """Groups per program: about 4096 values a program."""
+    return max(1, 4096 // group_size)
+
+
+def _block_launch(group_size: int) -> dict:
+    """BG, VT and num_warps of the standalone kernels (32 values a thread where groups allow)."""
+    bg = _block_groups(group_size)
+    vt = min(group_size, 32)
+    return dict(BG=bg, VT=vt, num_warps=max(1, min(8, bg * group_size // vt // 32)))
 
 
 def encode(x: torch.Tensor, spec: QuantSpec) -> Packet:
@@ -389,12 +511,11 @@ def encode(x: torch.Tensor, spec: QuantSpec) -> Packet:
     codes = torch.empty(xf.numel() * spec.bits // 8, dtype=torch.uint8, device=x.device)
     scale = torch.empty(n_groups, dtype=torch.float16, device=x.device)
     zero = torch.empty(n_groups, dtype=torch.float16, device=x.device) if spec.has_zero else None
-    bg = _block_groups(spec.group_size)
+    blk = _block_launch(spec.group_size)
     if n_groups:
-        quantize_kernel[(triton.cdiv(n_groups, bg),)](
+        quantize_kernel[(triton.cdiv(n_groups, blk["BG"]),)](
             xf, codes, scale, zero if zero is not None else scale, n_groups,
-            X_KIND=DTYPE_KIND[x.dtype], BG=bg,
-            **spec_constexprs(spec), **LAUNCH_OPTS)
+            X_KIND=DTYPE_KIND[x.dtype], **blk, **spec_constexprs(spec), **LAUNCH_OPTS)
     g_lead = n // spec.group_size
     return Packet(codes.reshape(*lead, n * spec.bits // 8), scale.reshape(*lead, g_lead),
                   zero.reshape(*lead, g_lead) if zero is not None else None)
@@ -414,10 +535,10 @@ def decode(packet: Packet, spec: QuantSpec) -> torch.Tensor:
         raise ValueError(f"codes hold {codes.numel()} bytes, expected "
                          f"{n_groups * spec.group_size * spec.bits // 8} for {n_groups} groups")
     out = torch.empty(*lead, n, dtype=torch.float32, device=codes.device)
-    bg = _block_groups(spec.group_size)
+    blk = _block_launch(spec.group_size)
     if n_groups:
         k = spec_constexprs(spec)
-        dequantize_kernel[(triton.cdiv(n_groups, bg),)](
-            codes, scale, zero, out, n_groups, BG=bg, GS=k["GS"], BITS=k["BITS"],
-            QUANT=k["QUANT"], QMAX=k["QMAX"], **LAUNCH_OPTS)
+        dequantize_kernel[(triton.cdiv(n_groups, blk["BG"]),)](
+            codes, scale, zero, out, n_groups, GS=k["GS"], BITS=k["BITS"],
+            QUANT=k["QUANT"], QMAX=k["QMAX"], **blk, **LAUNCH_OPTS)
     return out

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# One call on nvidia-h200 (one GPU) for the kernel-roofline work (issue 27): the compiled kernels
+# against the torch reference (tests/test_kernels_gpu.py) while every stage-profile variant is
+# compiled in parallel (Triton's cache; 64 MiB specializes like 1 GiB), then, serially, the
+# entry ladder (benchmarks/entry_ladder.py) and the per-stage floors of this tree and of OLD_SRC
+# at 64 MiB and 1 GiB per rank, P=2/4/8, the HBM copy in the same run. Results under $OUT.
+#   OLD_SRC=.work/old_b6e bash benchmarks/device_roofline.sh      (carry .work/old_b6e)
+# OLD_SRC is an older checkout's root (its src/ and its own benchmarks/stage_profile.py).
+# Knobs: WORLDS, CONFIGS, NEW_SHAPES, OLD_SHAPES, TESTS (0: skip the GPU tests).
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 ECHO_FLAG_TIMEOUT_S=20
+nvidia-smi -L; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+WORLDS=${WORLDS:-2,4,8}; CONFIGS=${CONFIGS:-u4,c4-loc-bf16c}
+NEW_SHAPES=${NEW_SHAPES:-16384x4s4096,16384x4s2048,8192x4s4096,16384x4s1024}
+OLD_SHAPES=${OLD_SHAPES:-8192x4s2048,16384x4s2048,16384x4s1024}
+T0=$(date +%s)
+if [ "${TESTS:-1}" = 1 ]; then
+  PYTHONPATH=$PWD/src timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py \
+    > $OUT/pytest_kernels_gpu.txt 2>&1 &
+  TESTS_PID=$!
+fi
+# warm-up: one process per (tree, P, config, shape), 14 at a time, one rep at 64 MiB
+jobs=$(mktemp)
+for P in ${WORLDS//,/ }; do for c in ${CONFIGS//,/ }; do
+  for s in ${NEW_SHAPES//,/ }; do echo "$PWD/src $PWD/benchmarks $P $c $s" >> $jobs; done
+  [ -n "${OLD_SRC:-}" ] && for s in ${OLD_SHAPES//,/ }; do
+    echo "$PWD/$OLD_SRC/src $PWD/$OLD_SRC/benchmarks $P $c $s" >> $jobs; done
+done; done
+mkdir -p /tmp/warm
+xargs -P 14 -L 1 sh -c 'PYTHONPATH=$0 timeout 400 python3 $1/stage_profile.py --numel 67108864 \
+  --worlds $2 --configs $3 --shapes $4 --reps 1 --out /tmp/warm/$2-$3-$4-$$ > /dev/null 2>&1' < $jobs
+echo "warm-up of $(wc -l < $jobs) variants in $(( $(date +%s) - T0 )) s"
+if [ -n "${TESTS_PID:-}" ]; then wait $TESTS_PID; echo "kernels_gpu rc=$?"; tail -3 $OUT/pytest_kernels_gpu.txt; fi
+T0=$(date +%s)
+timeout 240 python3 benchmarks/entry_ladder.py --out $OUT > $OUT/ladder.log 2>&1
+echo "ladder rc=$? in $(( $(date +%s) - T0 )) s"
+for numel in 67108864 536870912; do
+  for tree in new ${OLD_SRC:+old}; do
+    src=$PWD/src; bench=$PWD/benchmarks; shapes=$NEW_SHAPES
+    [ "$tree" = old ] && src=$PWD/$OLD_SRC/src && bench=$PWD/$OLD_SRC/benchmarks && shapes=$OLD_SHAPES
+    T0=$(date +%s)
+    PYTHONPATH=$src timeout 300 python3 $bench/stage_profile.py --numel $numel --worlds $WORLDS \
+      --configs $CONFIGS --shapes $shapes --budget-s 240 --label $tree-$numel --out $OUT \
+      > $OUT/stages_$tree-$numel.log 2>&1
+    echo "stage_profile $tree $numel rc=$? in $(( $(date +%s) - T0 )) s"
+  done
+done
+python3 benchmarks/stage_table.py $OUT
