@@ -2,7 +2,8 @@
 # One call on nvidia-h200 (one GPU) for the kernel-roofline work (issue 27): the compiled kernels
 # against the torch reference (tests/test_kernels_gpu.py) while every stage-profile variant is
 # compiled in parallel (Triton's cache; 64 MiB specializes like 1 GiB), then, serially, the
-# entry ladder (benchmarks/entry_ladder.py) and the per-stage floors of this tree and of OLD_SRC
+# entry ladder (benchmarks/entry_ladder.py), the decode boundary (benchmarks/decode_boundary.py)
+# and the per-stage floors of this tree and of OLD_SRC
 # at 64 MiB and 1 GiB per rank, P=2/4/8, the HBM copy in the same run. Results under $OUT.
 #   OLD_SRC=.work/old_b6e bash benchmarks/device_roofline.sh      (carry .work/old_b6e)
 # OLD_SRC is an older checkout's root (its src/ and its own benchmarks/stage_profile.py).
@@ -11,8 +12,8 @@ set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 ECHO_FLAG_TIMEOUT_S=20
 nvidia-smi -L; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-WORLDS=${WORLDS:-2,4,8}; CONFIGS=${CONFIGS:-u4,c4-loc-bf16c}
-NEW_SHAPES=${NEW_SHAPES:-16384x4s4096,16384x4s2048,8192x4s4096,16384x4s1024}
+WORLDS=${WORLDS:-2,4,8}; CONFIGS=${CONFIGS:-u4,c4-loc-bf16c,u8}
+NEW_SHAPES=${NEW_SHAPES:-16384x4s4096,8192x4s4096,16384x4s2048,16384x4s1024,16384x8s4096}
 OLD_SHAPES=${OLD_SHAPES:-8192x4s2048,16384x4s2048,16384x4s1024}
 T0=$(date +%s)
 if [ "${TESTS:-1}" = 1 ]; then
@@ -33,8 +34,11 @@ xargs -P 14 -L 1 sh -c 'PYTHONPATH=$0 timeout 400 python3 $1/stage_profile.py --
 echo "warm-up of $(wc -l < $jobs) variants in $(( $(date +%s) - T0 )) s"
 if [ -n "${TESTS_PID:-}" ]; then wait $TESTS_PID; echo "kernels_gpu rc=$?"; tail -3 $OUT/pytest_kernels_gpu.txt; fi
 T0=$(date +%s)
-timeout 240 python3 benchmarks/entry_ladder.py --out $OUT > $OUT/ladder.log 2>&1
+PYTHONPATH=$PWD/src timeout 240 python3 benchmarks/entry_ladder.py --out $OUT > $OUT/ladder.log 2>&1
 echo "ladder rc=$? in $(( $(date +%s) - T0 )) s"
+T0=$(date +%s)
+PYTHONPATH=$PWD/src timeout 180 python3 benchmarks/decode_boundary.py --out $OUT > $OUT/decode.log 2>&1
+echo "decode_boundary rc=$? in $(( $(date +%s) - T0 )) s"; tail -25 $OUT/decode.log
 for numel in 67108864 536870912; do
   for tree in new ${OLD_SRC:+old}; do
     src=$PWD/src; bench=$PWD/benchmarks; shapes=$NEW_SHAPES

@@ -115,11 +115,13 @@ def classes(by_op: dict) -> dict:
 _LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 
 
-def main_path(sass: str) -> dict:
+def main_path(sass: str, skip_rare: bool = True) -> dict:
     """The instructions a thread executes on the common path, as far as a static listing
-    tells: from the entry to the first EXIT that ends the kernel body (the IEEE division's
-    slow-path subroutine after it is left out), without the blocks a predicated branch jumps
-    over when they only call that subroutine; loops counted once. -> count() of those."""
+    tells: from the entry to the last EXIT of the kernel body (the IEEE division's slow-path
+    subroutine after it is left out), without the blocks a predicated branch jumps over when
+    they only call that subroutine, and (skip_rare) without blocks of over 100 instructions a
+    predicated forward branch jumps over: the stages' recomputation of a step that is not tame
+    (allreduce_kernels.TAME_*). Loops counted once. -> count() of those."""
     insns = []
     for line in sass.splitlines():
         m = _LINE.search(line)
@@ -134,7 +136,8 @@ def main_path(sass: str) -> dict:
             if tgt:
                 t = int(tgt.group(1), 16)
                 block = [b for b in body if a < b[0] < t]
-                if block and any(b[1].startswith("CALL") for b in block):
+                if block and (any(b[1].startswith("CALL") for b in block)
+                              or (skip_rare and len(block) > 100 and t > a)):
                     skip.update(b[0] for b in block)
     ops = collections.Counter(op for a, op, _ in body if a not in skip and op != "NOP")
     return {"total": sum(ops.values()), "by_op": dict(ops.most_common())}

@@ -1,8 +1,11 @@
-"""The 16-bit one-shot kernel (kernels/oneshot_kernels.py) on the CPU under TRITON_INTERPRET=1:
+"""The 16-bit one-shot kernels (kernels/oneshot_kernels.py) on the CPU under TRITON_INTERPRET=1:
 P processes share their buffers (as symmetric memory would) and run several calls back to back
 with varying sizes and dtypes, one rank late each time; every y must equal the pure-torch
-reference bit for bit on every rank. A rank whose peer never pushes times out with a record
-naming rank, stage and tile."""
+reference bit for bit on every rank. The decode block boundary (one-shot sum + residual add +
+RMSNorm in one kernel) must give norm.add_rmsnorm_reference of that sum bit for bit, both in
+concurrent processes and as P ranks in one process (push phase of every rank, then the sum
+phase). A rank whose peer never pushes times out with a record naming rank, stage and tile.
+First look: oneshot_reference / oneshot_add_rmsnorm_reference, then the kernel's rank order."""
 from __future__ import annotations
 
 import os
@@ -90,3 +93,98 @@ def test_layout_caps_and_rejects_large():
     assert lay.max_tiles * ok.TILE * 2 >= 1 << 20
     assert lay.fits(torch.empty(1 << 19, dtype=torch.bfloat16))
     assert not lay.fits(torch.empty((1 << 19) + 1, dtype=torch.bfloat16))
+
+
+BOUNDARY_CALLS = [(3, 300, torch.bfloat16, torch.bfloat16), (2, 512, torch.float16, torch.float32),
+                  (1, 64, torch.float32, torch.float32), (5, 1000, torch.bfloat16, torch.float32)]
+
+
+def _boundary_inputs(P: int, seed: int):
+    """Per call: xs [P, rows, H], residual [rows, H], weight [H] (fresh random, mixed scales)."""
+    out = []
+    for c, (rows, h, dt, wdt) in enumerate(BOUNDARY_CALLS):
+        g = torch.Generator().manual_seed(seed + c)
+        xs = (torch.randn(P, rows, h, generator=g)
+              * torch.exp(torch.randn(P, 1, 1, generator=g) * 2)).to(dt)
+        res = (torch.randn(rows, h, generator=g) * 3).to(dt)
+        w = torch.randn(h, generator=g).to(wdt)
+        out.append((xs.share_memory_(), res.share_memory_(), w.share_memory_()))
+    return out
+
+
+def _check_boundary(outs, calls, P):
+    for c, (xs, res, w) in enumerate(calls):
+        want = ok.oneshot_add_rmsnorm_reference(list(xs.unbind(0)), res, w, 1e-5)
+        for r in range(P):
+            for got, exp, what in zip(outs[c][r], want, ("normed", "residual_out")):
+                bad = bits_differ(got, exp)
+                assert not bool(bad.any()), f"call {c} rank {r} {what}: {int(bad.sum())} differ"
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_decode_boundary_ranks_in_one_process_match_reference(P):
+    lay = ok.OneShotLayout.build(P, 16_000)
+    bufs = [torch.randint(0, 256, (lay.nbytes,), dtype=torch.uint8) for _ in range(P)]
+    for b in bufs:
+        lay.flag_words(b).zero_()
+    errs = [torch.zeros(8, dtype=torch.int64) for _ in range(P)]
+    tables = [torch.tensor([b.data_ptr() for b in bufs] + [errs[r].data_ptr()])
+              for r in range(P)]
+    epochs = [torch.zeros(2, dtype=torch.int64) for _ in range(P)]
+    calls = _boundary_inputs(P, 7)
+    outs = []
+    for xs, res, w in calls:
+        assert ok.add_rmsnorm_unfit(xs[0], res, w, lay) is None
+        got = [None] * P
+        for phase in (1, 2):                # every rank's push, then every rank's sum
+            for r in range(P):
+                o = ok.oneshot_add_rmsnorm(xs[r], res, w, 1e-5, rank=r, lay=lay,
+                                           epochs=epochs[r], table=tables[r], timeout=1000,
+                                           use_timer=False, phases=phase)
+                got[r] = o
+        outs.append(got)
+    for r in range(P):
+        assert describe_error(errs[r]) is None, describe_error(errs[r])
+    _check_boundary(outs, calls, P)
+
+
+def _boundary_rank(rank, P, bufs, errs, calls, outs, lay):
+    torch.set_num_threads(1)
+    table = torch.tensor([b.data_ptr() for b in bufs] + [errs[rank].data_ptr()])
+    epochs = torch.zeros(2, dtype=torch.int64)
+    for c, (xs, res, w) in enumerate(calls):
+        time.sleep(0.3 if rank == c % P else 0.0)
+        ok.oneshot_add_rmsnorm(xs[rank], res, w, 1e-5, rank=rank, lay=lay, epochs=epochs,
+                               table=table, timeout=400_000, use_timer=False,
+                               out=outs[c][rank])
+
+
+def test_decode_boundary_concurrent_ranks_match_reference():
+    import torch.multiprocessing as mp
+    P = 2
+    lay = ok.OneShotLayout.build(P, 16_000)
+    bufs = [torch.randint(0, 256, (lay.nbytes,), dtype=torch.uint8).share_memory_()
+            for _ in range(P)]
+    for b in bufs:
+        lay.flag_words(b).zero_()
+    errs = [torch.zeros(8, dtype=torch.int64).share_memory_() for _ in range(P)]
+    calls = _boundary_inputs(P, 11)
+    outs = [[(torch.full(res.shape, 7.0, dtype=torch.promote_types(w.dtype, res.dtype))
+              .share_memory_(), torch.full_like(res, 7.0).share_memory_()) for _ in range(P)]
+            for xs, res, w in calls]
+    mp.start_processes(_boundary_rank, args=(P, bufs, errs, calls, outs, lay), nprocs=P,
+                       start_method="spawn")
+    for r in range(P):
+        assert describe_error(errs[r]) is None, describe_error(errs[r])
+    _check_boundary(outs, calls, P)
+
+
+def test_decode_boundary_unfit_reasons():
+    lay = ok.OneShotLayout.build(2, 4096)
+    x = torch.zeros(4, 256, dtype=torch.bfloat16)
+    w = torch.ones(256, dtype=torch.bfloat16)
+    assert ok.add_rmsnorm_unfit(x, x, w, lay) is None
+    assert "exceed" in ok.add_rmsnorm_unfit(torch.zeros(16, 256, dtype=torch.bfloat16),
+                                             torch.zeros(16, 256, dtype=torch.bfloat16), w, lay)
+    assert "residual" in ok.add_rmsnorm_unfit(x, x.float(), w, lay)
+    assert "rows of 0" in ok.add_rmsnorm_unfit(torch.zeros(4, 0), torch.zeros(4, 0), w, lay)

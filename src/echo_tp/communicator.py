@@ -226,7 +226,9 @@ class EchoCommunicator:
             return add_rmsnorm(y.to(dtype), residual.to(dtype).contiguous(), weight, eps)
         check_add_rmsnorm(partial, residual, weight)
         out, added = self._guarded("all_reduce", lambda: self._all_reduce(
-            partial, direction, bits, False, residual=residual))
+            partial, direction, bits, False, residual=residual, norm=(weight, eps)))
+        if added == "normed":                  # the whole boundary in the backend's kernel
+            return out
         if added:
             return rmsnorm(out, weight, eps), out
         return add_rmsnorm(out, residual.contiguous(), weight, eps)
@@ -235,9 +237,10 @@ class EchoCommunicator:
         if self._broken is not None:
             raise RuntimeError(self._broken)
 
-    def _all_reduce(self, x, direction, bits, inplace, residual=None):
+    def _all_reduce(self, x, direction, bits, inplace, residual=None, norm=None):
         """-> (y, added): added=True when residual was given and the backend returned
-        residual + y instead of y."""
+        residual + y instead of y; with norm=(weight, eps) too, where the call's backend runs
+        the whole boundary (Dispatcher.boundary_backend): ((normed, residual_out), "normed")."""
         _check_direction(direction)
         self._check_input(x, "all_reduce")
         cfg = self.config_for(bits)
@@ -254,6 +257,14 @@ class EchoCommunicator:
         state = self._state_of(ps, flat, cfg)
         record = self.telemetry is not None and cfg.quantized
         inplace = inplace and x.is_contiguous() and (flat is x or flat.data_ptr() == x.data_ptr())
+        if norm is not None and residual is not None and not record and not self.simulated:
+            b = self.dispatcher.boundary_backend(flat, cfg)
+            if b is not None:
+                rows = flat.view(-1, x.shape[-1])
+                res = residual.reshape(rows.shape).contiguous()
+                if b.add_rmsnorm_unfit(rows, res, norm[0]) is None:
+                    normed, rout = b.run_add_rmsnorm(rows, res, norm[0], norm[1])
+                    return (normed.reshape(x.shape), rout.reshape(x.shape)), "normed"
         added = residual is not None and not record and self.dispatcher.adds_residual(flat, cfg)
         y, rec = self.dispatcher.run(flat, cfg, state=state, backward=direction == "backward",
                                      record=record, inplace=inplace,

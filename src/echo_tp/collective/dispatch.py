@@ -143,6 +143,12 @@ class Dispatcher:
         r = self.route(x, cfg)
         return self.backends[r.backend], r
 
+    def boundary_backend(self, x, cfg):
+        """The call's backend where it runs a whole block boundary (all-reduce + residual add +
+        RMSNorm: `run_add_rmsnorm`, the one-shot backend at decode sizes), else None."""
+        b = self._backend(x, cfg)[0]
+        return b if hasattr(b, "run_add_rmsnorm") else None
+
     def adds_residual(self, x, cfg) -> bool:
         """Whether the call's backend takes `run(residual=...)` (adds it where y is decoded)."""
         return bool(getattr(self._backend(x, cfg)[0], "adds_residual", False))

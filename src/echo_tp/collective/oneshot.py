@@ -53,6 +53,32 @@ class OneShotBackend:
     def run(self, x: torch.Tensor, cfg: EchoConfig, *, state: CompState | None, backward: bool,
             record: bool, inplace: bool = False,
             route: Route | None = None) -> tuple[torch.Tensor, StepRecord | None]:
+        self._ready(x)
+        y = x if inplace else torch.empty_like(x)   # own tile t is read before y's tile t
+        self._ok.oneshot(x, y, rank=self.rank, lay=self._lay, epochs=self._epochs,
+                         table=self._buf.table, timeout=self._timeout, use_timer=True,
+                         num_warps=self.num_warps)
+        return y, None
+
+    def add_rmsnorm_unfit(self, x: torch.Tensor, residual: torch.Tensor,
+                          weight: torch.Tensor) -> str | None:
+        """Why run_add_rmsnorm cannot take this boundary (None when it can; x [rows, H])."""
+        return self._ok.add_rmsnorm_unfit(x, residual, weight, self._lay)
+
+    def run_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode block boundary in one launch (kernels/oneshot_kernels.
+        oneshot_add_rmsnorm_kernel): x, residual [rows, H], weight [H] -> (normed,
+        residual_out), bit for bit norm.add_rmsnorm_reference(run(x), residual, ...)."""
+        self._ready(x)
+        return self._ok.oneshot_add_rmsnorm(x, residual, weight, eps, rank=self.rank,
+                                            lay=self._lay, epochs=self._epochs,
+                                            table=self._buf.table, timeout=self._timeout,
+                                            use_timer=True, num_warps=self.num_warps)
+
+    def _ready(self, x: torch.Tensor) -> None:
+        """Raise a peer's error record; check the size; the buffer at the first call (a
+        collective moment: every rank makes the same call)."""
         self._flags.raise_if_set(self._err, self._err_np)
         if x.numel() * x.element_size() > self.cap_bytes:
             raise ValueError(f"one-shot backend: {x.numel() * x.element_size()} bytes per rank "
@@ -62,11 +88,6 @@ class OneShotBackend:
             self._buf = SymmetricBuffer(lay.nbytes, lay.flags_off, self.group, self.rank,
                                         self.world_size, self.device, self._err)
             self._epochs = torch.zeros(self.programs, dtype=torch.int64, device=self.device)
-        y = x if inplace else torch.empty_like(x)   # own tile t is read before y's tile t
-        self._ok.oneshot(x, y, rank=self.rank, lay=self._lay, epochs=self._epochs,
-                         table=self._buf.table, timeout=self._timeout, use_timer=True,
-                         num_warps=self.num_warps)
-        return y, None
 
     def check_error(self) -> None:
         torch.cuda.synchronize(self.device)

@@ -16,6 +16,20 @@ Per call and rank r (grid G programs; program c handles tiles t = c, c+G, ... of
     sum    wait flag [s][t] >= epoch for every peer s; acc over the P tiles in rank order
            (own tile from x, the others from the own buffer); store y
 
+The block boundary at decode sizes (`oneshot_add_rmsnorm_kernel`): the same push and sum with
+rows as tiles (one flag a row), and the sum not stored but added to the residual and
+normalized where it is (norm.add_rmsnorm_reference of oneshot_reference's y, bit for bit):
+
+    for each row: acc = x_0 + x_1 + ... (fp32, rank order); y = cast(acc)
+                  residual_out = cast(residual + y); normed = RMSNorm(residual_out) * weight
+
+i.e. the all-reduce and kernels/norm_kernels.rmsnorm_kernel (ADD) in one launch, y never
+written or read back.
+
+PHASES (both kernels): 3 is the call; 1 only the push (bumping the epochs) and 2 only the sum
+(at the epochs the push left), so P ranks simulated in one stream (tests, one-GPU timing) run
+push(every rank), then sum(every rank), and every wait finds its flag set.
+
 Buffers (`OneShotLayout`): per rank one symmetric byte buffer of 2 parities x P sender slots of
 `cap` bytes, then int64 flags [P][max_tiles] and an abort word. The slot parity is the epoch's:
 rank r can start call k+1 (and overwrite parity (k+1) % 2) while a slower peer still reads
@@ -31,13 +45,18 @@ import torch
 import triton
 import triton.language as tl
 
+from ..norm import LANES, MAX_HIDDEN
 from .allreduce_kernels import _buffer
 from .launcher import launch
 from .flags import gated, signal, wait_geq
+from .norm_kernels import _as_f32, _halve
 from .quant_kernels import DTYPE_KIND, _cast_out, _load_f32
 
 TILE = 2048
 """Values per tile (one flag)."""
+ROW_MIN = 512
+"""The layout has a flag per row of the decode boundary for rows of at least this many values
+(shorter rows, in messages of more rows than flags, take the two-launch path)."""
 
 
 @triton.jit
@@ -53,52 +72,166 @@ def _typed(p, X_KIND: tl.constexpr):
 
 
 @triton.jit
+def _epoch(epochs_ptr, c, PHASES: tl.constexpr):
+    """This call's epoch of program c: the stored one + 1, or (PHASES 2: the sum of a push
+    already run) the stored one."""
+    ep = tl.load(epochs_ptr + c)
+    if PHASES != 2:
+        ep = ep + 1
+    return ep
+
+
+@triton.jit
+def _push(x_ptr, e, m, t, ep, table_ptr, slot, flags_off, max_tiles, RANK: tl.constexpr,
+          P: tl.constexpr, X_KIND: tl.constexpr, SIGNAL: tl.constexpr):
+    """Store x at element ids e into every peer's slot [epoch parity][RANK]; SIGNAL: then set
+    each peer's flag [RANK][t] = ep."""
+    v = tl.load(x_ptr + e, mask=m)
+    for i in tl.static_range(P - 1):
+        peer = _buffer(table_ptr, (RANK + 1 + i) % P)
+        tl.store(_typed(peer + ((ep % 2) * P + RANK) * slot, X_KIND) + e, v, mask=m)
+        if SIGNAL:
+            signal((peer + flags_off).to(tl.pointer_type(tl.int64)) + RANK * max_tiles + t, ep)
+
+
+@triton.jit
+def _signal_peers(t, ep, table_ptr, flags_off, max_tiles, RANK: tl.constexpr, P: tl.constexpr):
+    """Set every peer's flag [RANK][t] = ep (after this CTA's pushes)."""
+    for i in tl.static_range(P - 1):
+        peer = _buffer(table_ptr, (RANK + 1 + i) % P)
+        signal((peer + flags_off).to(tl.pointer_type(tl.int64)) + RANK * max_tiles + t, ep)
+
+
+@triton.jit
+def _wait_peers(t, ep, table_ptr, flags_off, max_tiles, timeout, RANK: tl.constexpr,
+                P: tl.constexpr, USE_TIMER: tl.constexpr):
+    """Wait until every peer's flag [s][t] in this rank's buffer reaches ep -> ok (scalar)."""
+    own = _buffer(table_ptr, RANK)
+    flags = (own + flags_off).to(tl.pointer_type(tl.int64))       # [P][max_tiles]
+    err_rec = tl.load(table_ptr + P).to(tl.pointer_type(tl.int64))
+    ok = ep == ep
+    for r in tl.static_range(P):
+        if r != RANK:
+            ok = ok & wait_geq(flags + r * max_tiles + t, ep, flags + P * max_tiles, err_rec,
+                               RANK, 3, t, r, timeout, USE_TIMER)
+    return ok
+
+
+@triton.jit
+def _rank_sum(x_ptr, own, e, m, ep, slot, RANK: tl.constexpr, P: tl.constexpr,
+              X_KIND: tl.constexpr):
+    """acc = x_0 + x_1 + ... in rank order, fp32 (own values from x, the others from the own
+    buffer's slots of this parity)."""
+    for r in tl.static_range(P):
+        if r == RANK:
+            v = _load_f32(x_ptr + e, m, X_KIND)
+        else:
+            v = _load_f32(_typed(own + ((ep % 2) * P + r) * slot, X_KIND) + e, m, X_KIND)
+        if r == 0:
+            acc = v
+        else:
+            acc = acc + v
+    return acc
+
+
+@triton.jit
 def oneshot_kernel(x_ptr, y_ptr, epochs_ptr, table_ptr, n, tiles, slot, flags_off, max_tiles,
                    timeout, RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr,
-                   TILE: tl.constexpr, USE_TIMER: tl.constexpr):
+                   TILE: tl.constexpr, USE_TIMER: tl.constexpr, PHASES: tl.constexpr):
     """y = sum over ranks of x (rank order, fp32), as in the module docstring."""
     c = tl.program_id(0)
     G = tl.num_programs(0)
-    ep = tl.load(epochs_ptr + c) + 1
-    par = ep % 2
+    ep = _epoch(epochs_ptr, c, PHASES)
     own = _buffer(table_ptr, RANK)
-    flags = (own + flags_off).to(tl.pointer_type(tl.int64))       # [P][max_tiles]
-    abort = flags + P * max_tiles
-    err_rec = tl.load(table_ptr + P).to(tl.pointer_type(tl.int64))
-    t = c
-    while t < tiles:                                               # push
-        e = t.to(tl.int64) * TILE + tl.arange(0, TILE)
-        m = e < n
-        v = tl.load(x_ptr + e, mask=m)
-        for i in tl.static_range(P - 1):
-            j = (RANK + 1 + i) % P
-            peer = _buffer(table_ptr, j)
-            dst = _typed(peer + (par * P + RANK) * slot, X_KIND)
-            tl.store(dst + e, v, mask=m)
-            signal((peer + flags_off).to(tl.pointer_type(tl.int64)) + RANK * max_tiles + t, ep)
-        t += G
-    t = c
-    while t < tiles:                                               # sum
-        ok = ep == ep
-        for r in tl.static_range(P):
-            if r != RANK:
-                ok = ok & wait_geq(flags + r * max_tiles + t, ep, abort, err_rec, RANK, 3, t, r,
-                                   timeout, USE_TIMER)
-        e = t.to(tl.int64) * TILE + tl.arange(0, TILE)
-        m = e < n
-        for r in tl.static_range(P):                               # acc = x_0; acc += x_1; ...
-            if r == RANK:
-                v = _load_f32(x_ptr + e, m, X_KIND)
-            else:
-                v = _load_f32(_typed(own + (par * P + r) * slot, X_KIND) + e, m, X_KIND)
-            if r == 0:
-                acc = v
-            else:
-                acc = acc + v
-        tl.store(y_ptr + e, _cast_out(acc, X_KIND), mask=gated(m, ok))
-        t += G
-    tl.debug_barrier()
-    tl.store(epochs_ptr + c, ep)
+    if PHASES != 2:
+        t = c
+        while t < tiles:                                           # push
+            e = t.to(tl.int64) * TILE + tl.arange(0, TILE)
+            _push(x_ptr, e, e < n, t, ep, table_ptr, slot, flags_off, max_tiles, RANK, P,
+                  X_KIND, True)
+            t += G
+    if PHASES != 1:
+        t = c
+        while t < tiles:                                           # sum
+            ok = _wait_peers(t, ep, table_ptr, flags_off, max_tiles, timeout, RANK, P,
+                             USE_TIMER)
+            e = t.to(tl.int64) * TILE + tl.arange(0, TILE)
+            m = e < n
+            acc = _rank_sum(x_ptr, own, e, m, ep, slot, RANK, P, X_KIND)
+            tl.store(y_ptr + e, _cast_out(acc, X_KIND), mask=gated(m, ok))
+            t += G
+    if PHASES != 2:
+        tl.debug_barrier()
+        tl.store(epochs_ptr + c, ep)
+
+
+@triton.jit
+def oneshot_add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, rout_ptr, epochs_ptr, table_ptr,
+                               rows, H, chunks, eps, slot, flags_off, max_tiles, timeout,
+                               RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr,
+                               W_KIND: tl.constexpr, O_KIND: tl.constexpr, L: tl.constexpr,
+                               USE_TIMER: tl.constexpr, PHASES: tl.constexpr):
+    """The decode block boundary (module docstring): rows t = c, c+G, ... of x [rows, H],
+    each pushed to every peer in chunks of L values, then (all peers' row t in) summed, added
+    to residual and normalized: residual_out [rows, H] (x's dtype), normed [rows, H]."""
+    c = tl.program_id(0)
+    G = tl.num_programs(0)
+    ep = _epoch(epochs_ptr, c, PHASES)
+    own = _buffer(table_ptr, RANK)
+    lanes = tl.arange(0, L)
+    if PHASES != 2:
+        t = c
+        while t < rows:                                            # push row t
+            k = 0
+            while k < chunks:
+                offs = k * L + lanes
+                _push(x_ptr, t.to(tl.int64) * H + offs, offs < H, t, ep, table_ptr, slot,
+                      flags_off, max_tiles, RANK, P, X_KIND, False)
+                k += 1
+            _signal_peers(t, ep, table_ptr, flags_off, max_tiles, RANK, P)
+            t += G
+    if PHASES != 1:
+        t = c
+        while t < rows:
+            ok = _wait_peers(t, ep, table_ptr, flags_off, max_tiles, timeout, RANK, P,
+                             USE_TIMER)
+            row = t.to(tl.int64) * H
+            acc = tl.zeros([L], tl.float32)
+            k = 0
+            while k < chunks:                  # pass 1: y, residual_out, sum of squares
+                offs = k * L + lanes
+                m = offs < H
+                y = _cast_out(_rank_sum(x_ptr, own, row + offs, m, ep, slot, RANK, P, X_KIND),
+                              X_KIND)
+                r = _cast_out(_as_f32(y, X_KIND) + _load_f32(res_ptr + row + offs, m, X_KIND),
+                              X_KIND)
+                tl.store(rout_ptr + row + offs, r, mask=gated(m, ok))
+                v = _as_f32(r, X_KIND)
+                acc = acc + tl.where(m, v * v, 0.0)
+                k += 1
+            acc = _halve(acc, L)
+            acc = _halve(acc, L // 2)
+            acc = _halve(acc, L // 4)
+            acc = _halve(acc, L // 8)
+            acc = _halve(acc, L // 16)
+            acc = _halve(acc, L // 32)
+            acc = _halve(acc, L // 64)
+            acc = _halve(acc, L // 128)                            # [1] for L = 256
+            ss = tl.math.div_rn(acc, tl.full([1], 1.0, tl.float32) * H) + eps
+            inv = tl.math.div_rn(tl.full([1], 1.0, tl.float32), tl.math.sqrt_rn(ss))
+            k = 0
+            while k < chunks:                  # pass 2: normalize, scale (the row L2-hot)
+                offs = k * L + lanes
+                m = offs < H
+                v = _load_f32(rout_ptr + row + offs, m, X_KIND)
+                xn = _as_f32(_cast_out(v * inv, X_KIND), X_KIND)
+                w = _load_f32(w_ptr + offs, m, W_KIND)
+                tl.store(out_ptr + row + offs, _cast_out(w * xn, O_KIND), mask=gated(m, ok))
+                k += 1
+            t += G
+    if PHASES != 2:
+        tl.debug_barrier()
+        tl.store(epochs_ptr + c, ep)
 
 
 @dataclass(frozen=True)
@@ -116,7 +249,7 @@ class OneShotLayout:
     @classmethod
     def build(cls, world_size: int, cap_bytes: int) -> "OneShotLayout":
         slot = -(-cap_bytes // 256) * 256
-        max_tiles = -(-(cap_bytes // 2) // TILE)              # 2-byte values: the most tiles
+        max_tiles = -(-(cap_bytes // 2) // ROW_MIN)           # 2-byte values: tiles or rows
         flags_off = 2 * world_size * slot
         words = -(-(world_size * max_tiles + 1) // 32) * 32
         return cls(world_size, cap_bytes, slot, max_tiles, flags_off, flags_off + 8 * words)
@@ -130,15 +263,58 @@ class OneShotLayout:
 
 def oneshot(x: torch.Tensor, y: torch.Tensor, *, rank: int, lay: OneShotLayout,
             epochs: torch.Tensor, table: torch.Tensor, timeout: int, use_timer: bool,
-            num_warps: int = 4) -> None:
+            num_warps: int = 4, phases: int = 3) -> None:
     """Launch one call: x, y [n] contiguous (bf16/fp16/fp32, n*size <= lay.cap_bytes);
-    epochs [G] int64 (G programs, the same G on every rank for the layout's whole life)."""
+    epochs [G] int64 (G programs, the same G on every rank for the layout's whole life);
+    phases: the module docstring's PHASES."""
     n = x.numel()
     launch(oneshot_kernel, (epochs.numel(),),
            (x, y, epochs, table, n, -(-n // TILE), lay.slot, lay.flags_off, lay.max_tiles,
             timeout),
            dict(RANK=rank, P=lay.world_size, X_KIND=DTYPE_KIND[x.dtype], TILE=TILE,
-                USE_TIMER=use_timer, num_warps=num_warps))
+                USE_TIMER=use_timer, PHASES=phases, num_warps=num_warps))
+
+
+def add_rmsnorm_unfit(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                      lay: OneShotLayout) -> str | None:
+    """Why oneshot_add_rmsnorm cannot take this boundary (None when it can): x, residual
+    [..., H] of one dtype, contiguous; weight [H]; a row a flag."""
+    h = x.shape[-1] if x.dim() else 0
+    if x.dim() == 0 or h == 0 or h > MAX_HIDDEN:
+        return f"rows of {h} values (the kernel takes 1 to {MAX_HIDDEN})"
+    if not lay.fits(x):
+        return f"{x.numel() * x.element_size()} bytes exceed the one-shot buffer"
+    if x.numel() // h > lay.max_tiles:
+        return f"{x.numel() // h} rows exceed the buffer's {lay.max_tiles} row flags"
+    if residual.shape != x.shape or residual.dtype != x.dtype or weight.shape != (h,):
+        return "residual must match x, weight be [H]"
+    if not (x.is_contiguous() and residual.is_contiguous()):
+        return "x and residual must be contiguous"
+    return None
+
+
+def oneshot_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                        eps: float, *, rank: int, lay: OneShotLayout, epochs: torch.Tensor,
+                        table: torch.Tensor, timeout: int, use_timer: bool,
+                        num_warps: int = 4, phases: int = 3,
+                        out: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode boundary call (where add_rmsnorm_unfit says None): x, residual [..., H],
+    weight [H] -> (normed, residual_out), normed in torch's promotion of weight and x. out:
+    (normed, residual_out) to write instead of new tensors."""
+    h = x.shape[-1]
+    if out is None:
+        normed = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype),
+                             device=x.device)
+        rout = torch.empty_like(x)
+    else:
+        normed, rout = out
+    launch(oneshot_add_rmsnorm_kernel, (epochs.numel(),),
+           (x, residual, weight, normed, rout, epochs, table, x.numel() // h, h,
+            -(-h // LANES), float(eps), lay.slot, lay.flags_off, lay.max_tiles, timeout),
+           dict(RANK=rank, P=lay.world_size, X_KIND=DTYPE_KIND[x.dtype],
+                W_KIND=DTYPE_KIND[weight.dtype], O_KIND=DTYPE_KIND[normed.dtype], L=LANES,
+                USE_TIMER=use_timer, PHASES=phases, num_warps=num_warps))
+    return normed, rout
 
 
 def oneshot_reference(xs: list[torch.Tensor]) -> torch.Tensor:
@@ -147,3 +323,11 @@ def oneshot_reference(xs: list[torch.Tensor]) -> torch.Tensor:
     for v in xs[1:]:
         acc = acc + v.float()
     return acc.to(xs[0].dtype)
+
+
+def oneshot_add_rmsnorm_reference(xs: list[torch.Tensor], residual: torch.Tensor,
+                                  weight: torch.Tensor, eps: float):
+    """The pure-torch form of the decode boundary: (normed, residual_out) of
+    norm.add_rmsnorm_reference(oneshot_reference(xs), residual, weight, eps)."""
+    from ..norm import add_rmsnorm_reference
+    return add_rmsnorm_reference(oneshot_reference(xs), residual, weight, eps)

@@ -430,6 +430,21 @@ def _load_codes(ptr, grp, gmask, GS: tl.constexpr, BITS: tl.constexpr, VT: tl.co
 
 
 @triton.jit
+def _store_words(ptr, v, mask):
+    """Per-group 16-bit words v ([1, SG, 1, 1], int16 or fp16) at ptr (same shape) where mask.
+    Compiled: one st.global.b16 per element in v's own layout (the T threads of a group store
+    the same word, harmlessly), where tl.store would first move v through shared memory into
+    a layout of its own (a barrier per store); interpreted: tl.store."""
+    if HW_FORMS:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b16 [$1], $2; mov.b32 $0, 0; }",
+            "=r,l,h,r", [ptr.to(tl.int64), v.to(tl.int16, bitcast=True), mask.to(tl.int32)],
+            dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.store(ptr, v, mask=mask)
+
+
+@triton.jit
 def _load_params(scale_ptr, zero_ptr, grp, mask, QUANT: tl.constexpr):
     """Scale word (fp16-sized, at scale_ptr) and fp16 zero of groups grp -> fp32 (sf, zf)
     (masked lanes: 1.0, 0.0)."""
@@ -458,9 +473,9 @@ def quantize_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, n_groups,
     sw, sf, z16, zf, finite = _group_params(x, QUANT, LEVELS, QMAX)
     _store_codes(codes_ptr, grp, gmask, _codes(x, sf, zf, finite, QUANT, LEVELS, QMAX), GS,
                  BITS, VT)
-    tl.store(scale_ptr.to(tl.pointer_type(tl.int16)) + grp, sw, mask=gmask)
+    _store_words(scale_ptr.to(tl.pointer_type(tl.int16)) + grp, sw, gmask)
     if QUANT != 2:
-        tl.store(zero_ptr + grp, z16, mask=gmask)
+        _store_words(zero_ptr + grp, z16, gmask)
 
 
 @triton.jit
