@@ -7,17 +7,18 @@
 # at 64 MiB and 1 GiB per rank, P=2/4/8, the HBM copy in the same run. Results under $OUT.
 #   OLD_SRC=.work/old_b6e bash benchmarks/device_roofline.sh      (carry .work/old_b6e)
 # OLD_SRC is an older checkout's root (its src/ and its own benchmarks/stage_profile.py).
-# Knobs: WORLDS, CONFIGS, NEW_SHAPES, OLD_SHAPES, TESTS (0: skip the GPU tests).
+# Knobs: WORLDS, CONFIGS, NEW_SHAPES, OLD_SHAPES, TESTS (0: skip the GPU tests), TEST_TIMEOUT,
+# LADDER and DECODE (0: skip those benchmarks).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 ECHO_FLAG_TIMEOUT_S=20
 nvidia-smi -L; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 WORLDS=${WORLDS:-2,4,8}; CONFIGS=${CONFIGS:-u4,c4-loc-bf16c,u8}
-NEW_SHAPES=${NEW_SHAPES:-16384x4s4096,8192x4s4096,16384x4s2048,16384x4s1024,16384x8s4096}
+NEW_SHAPES=${NEW_SHAPES:-4096x4s4096,8192x4s4096,16384x4s4096,8192x4s2048,16384x4s2048,16384x4s1024}
 OLD_SHAPES=${OLD_SHAPES:-8192x4s2048,16384x4s2048,16384x4s1024}
 T0=$(date +%s)
 if [ "${TESTS:-1}" = 1 ]; then
-  PYTHONPATH=$PWD/src timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py \
+  PYTHONPATH=$PWD/src timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py \
     > $OUT/pytest_kernels_gpu.txt 2>&1 &
   TESTS_PID=$!
 fi
@@ -29,15 +30,15 @@ for P in ${WORLDS//,/ }; do for c in ${CONFIGS//,/ }; do
     echo "$PWD/$OLD_SRC/src $PWD/$OLD_SRC/benchmarks $P $c $s" >> $jobs; done
 done; done
 mkdir -p /tmp/warm
-xargs -P 14 -L 1 sh -c 'PYTHONPATH=$0 timeout 400 python3 $1/stage_profile.py --numel 67108864 \
+xargs -P ${WARM_JOBS:-12} -L 1 sh -c 'PYTHONPATH=$0 timeout 400 python3 $1/stage_profile.py --numel 67108864 \
   --worlds $2 --configs $3 --shapes $4 --reps 1 --out /tmp/warm/$2-$3-$4-$$ > /dev/null 2>&1' < $jobs
 echo "warm-up of $(wc -l < $jobs) variants in $(( $(date +%s) - T0 )) s"
 if [ -n "${TESTS_PID:-}" ]; then wait $TESTS_PID; echo "kernels_gpu rc=$?"; tail -3 $OUT/pytest_kernels_gpu.txt; fi
 T0=$(date +%s)
-PYTHONPATH=$PWD/src timeout 240 python3 benchmarks/entry_ladder.py --out $OUT > $OUT/ladder.log 2>&1
+[ "${LADDER:-1}" = 1 ] && PYTHONPATH=$PWD/src timeout 240 python3 benchmarks/entry_ladder.py --out $OUT > $OUT/ladder.log 2>&1
 echo "ladder rc=$? in $(( $(date +%s) - T0 )) s"
 T0=$(date +%s)
-PYTHONPATH=$PWD/src timeout 180 python3 benchmarks/decode_boundary.py --out $OUT > $OUT/decode.log 2>&1
+[ "${DECODE:-1}" = 1 ] && PYTHONPATH=$PWD/src timeout 180 python3 benchmarks/decode_boundary.py --out $OUT > $OUT/decode.log 2>&1
 echo "decode_boundary rc=$? in $(( $(date +%s) - T0 )) s"; tail -25 $OUT/decode.log
 for numel in 67108864 536870912; do
   for tree in new ${OLD_SRC:+old}; do

@@ -46,61 +46,44 @@ from .quant_kernels import (F32_MAX, KMAGIC, _cast_out, _cast_sat, _codes, _dequ
                             _group_params, _lanes, _load_codes, _load_f32, _sat, _store_codes,
                             _store_words, _word_scale)
 
-TAME_X = tl.constexpr(8.507059173023462e37)
-"""2^126: the largest |x'| of a tame step (reduce) ..."""
-TAME_C = tl.constexpr(5.070602400912918e30)
-"""2^102: ... the largest |correction| of a tame step (entry), below half an ulp of fp32's
-largest values (2^103), so x + c cannot overflow ..."""
-TAME_S = tl.constexpr(1.2676506002282294e30)
-"""2^100: ... and the largest step of its groups, so no decoded value s*(q - z) (|q - z| <
-2^10) nor a sum of P of them with an x' of at most 2^126 can overflow.
-A step is tame when these hold: then saturation is the identity, and the stages skip it
-(`_tame`); otherwise they recompute the step with every bound applied. Both give the same
-bits; only tame steps are fast."""
 
 
 # ----------------------------------------------------------------------------- device helpers
 
 @triton.jit
 def _x_prime(x_ptr, m1_ptr, m2_ptr, e, emask, eta, a, oma, X_KIND: tl.constexpr,
-             COMP: tl.constexpr, SAT: tl.constexpr):
-    """x' = x + c, c = (m1*a + m2*(1-a))*eta at element ids e (masked lanes 0) -> (x', m1,
-    m2, |c|); SAT: x' of a finite x saturated at +-fp32 max (compensator.apply_correction),
-    the identity when every |c| < 2^103 (TAME_C)."""
+             COMP: tl.constexpr):
+    """x' = x + (m1*a + m2*(1-a))*eta at element ids e (masked lanes 0) -> (x', m1, m2);
+    x' of a finite x saturates at +-fp32 max (compensator.apply_correction)."""
     x = _load_f32(x_ptr + e, emask, X_KIND)
     if COMP:
         m1 = _load_state(m1_ptr + e, emask)
-        if m2_ptr.to(tl.int64) == m1_ptr.to(tl.int64):   # one state tensor (beta1 == beta2)
+        if COMP == 1:                                      # one state tensor (beta1 == beta2)
             m2 = m1
         else:
             m2 = _load_state(m2_ptr + e, emask)
-        c = (m1 * a + m2 * oma) * eta
-        xp = x + c
-        if SAT:
-            xp = tl.where(tl.abs(x) <= F32_MAX, _sat(xp, F32_MAX), xp)
-        cabs = tl.abs(c)
+        xp = x + (m1 * a + m2 * oma) * eta
+        xp = tl.where(tl.abs(x) <= F32_MAX, _sat(xp, F32_MAX), xp)
     else:
         m1 = x
         m2 = x
         xp = x
-        cabs = tl.zeros_like(x)
-    return xp, m1, m2, cabs
+    return xp, m1, m2
 
 
 @triton.jit
 def _x_scaled(x_ptr, m1_ptr, m2_ptr, fs_ptr, e, emask, eta, a, oma, X_KIND: tl.constexpr,
-              COMP: tl.constexpr, SCALED: tl.constexpr, SAT: tl.constexpr):
+              COMP: tl.constexpr, SCALED: tl.constexpr):
     """_x_prime, plus xs = x' * 2^e and f = 2^e under backward scaling (xs = x', f = 1 else)
-    -> (x', m1, m2, xs, f, |c|)."""
-    xp, m1, m2, cabs = _x_prime(x_ptr, m1_ptr, m2_ptr, e, emask, eta, a, oma, X_KIND, COMP,
-                                SAT)
+    -> (x', m1, m2, xs, f)."""
+    xp, m1, m2 = _x_prime(x_ptr, m1_ptr, m2_ptr, e, emask, eta, a, oma, X_KIND, COMP)
     if SCALED:
         f = tl.load(fs_ptr)
         xs = xp * f
     else:
         f = tl.full([], 1.0, tl.float32)
         xs = xp
-    return xp, m1, m2, xs, f, cabs
+    return xp, m1, m2, xs, f
 
 
 @triton.jit
@@ -124,12 +107,12 @@ def _store_state(ptr, v, mask):
 
 
 @triton.jit
-def _update(m1_ptr, m2_ptr, e, emask, m1, m2, u, b1, omb1, b2, omb2):
+def _update(m1_ptr, m2_ptr, e, emask, m1, m2, u, b1, omb1, b2, omb2, COMP: tl.constexpr):
     """m1 = m1*beta1 + u*(1-beta1); m2 = m2*beta2 + u*(1-beta2) at element ids e, 0 where the
-    new value is not finite (compensator.update_; one store when m2 is m1: beta1 == beta2
-    makes both updates the same value)."""
+    new value is not finite (compensator.update_; COMP 1, one state tensor: one store, beta1
+    == beta2 makes both updates the same value)."""
     _store_state(m1_ptr + e, _finite_or_0(m1 * b1 + u * omb1), emask)
-    if m2_ptr.to(tl.int64) != m1_ptr.to(tl.int64):
+    if COMP != 1:
         _store_state(m2_ptr + e, _finite_or_0(m2 * b2 + u * omb2), emask)
 
 
@@ -205,8 +188,7 @@ def amax_kernel(x_ptr, m1_ptr, m2_ptr, out_ptr, n, eta, a, oma, X_KIND: tl.const
     """out[pid] = max |x'| over a block (NaN counts as +inf: both make the scale factor 1)."""
     e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     emask = e < n
-    xp, m1, m2, cabs = _x_prime(x_ptr, m1_ptr, m2_ptr, e, emask, eta, a, oma, X_KIND, COMP,
-                                True)
+    xp, m1, m2 = _x_prime(x_ptr, m1_ptr, m2_ptr, e, emask, eta, a, oma, X_KIND, COMP)
     inf = tl.full([BLOCK], 0x7F800000, tl.int32).to(tl.float32, bitcast=True)
     v = tl.abs(xp)
     v = tl.where(v != v, inf, v)
@@ -243,40 +225,33 @@ def _entry_tile(t, j, ep, x_ptr, m1_ptr, m2_ptr, fs_ptr, table_ptr,
     peer = _buffer(table_ptr, j)
     for c in tl.range(0, BG // SG):
         grp, gmask, e, emask = _step_ids(t, c, j, seg, groups, n, BG, SG, GS, VT)
-        sw, sf, z16, q, m1, m2, err, cabs = _entry_step(
+        sw, sf, z16, q, m1, m2, err = _entry_step(
             x_ptr, m1_ptr, m2_ptr, fs_ptr, e, emask, eta, a, oma, X_KIND, QUANT, LEVELS, QMAX,
-            COMP, SCALED, LOCAL, False)
-        if COMP:
-            if (tl.max(cabs) > TAME_C) | (tl.max(sf) > TAME_S):      # not a tame step
-                sw, sf, z16, q, m1, m2, err, _cabs = _entry_step(
-                    x_ptr, m1_ptr, m2_ptr, fs_ptr, e, emask, eta, a, oma, X_KIND, QUANT,
-                    LEVELS, QMAX, COMP, SCALED, LOCAL, True)
+            COMP, SCALED, LOCAL)
         _store_packet(peer + _slot(RANK, slot), scale_off, zero_off, grp, gmask, q, sw, z16,
                       GS, BITS, VT, QUANT)                 # peer j's receive slot of RANK
         if LOCAL:
-            _update(m1_ptr, m2_ptr, e, emask, m1, m2, err, b1, omb1, b2, omb2)
+            _update(m1_ptr, m2_ptr, e, emask, m1, m2, err, b1, omb1, b2, omb2, COMP)
     signal((peer + flags_off).to(tl.pointer_type(tl.int64)) + RANK * tiles + t, ep)
 
 
 @triton.jit
 def _entry_step(x_ptr, m1_ptr, m2_ptr, fs_ptr, e, emask, eta, a, oma, X_KIND: tl.constexpr,
                 QUANT: tl.constexpr, LEVELS: tl.constexpr, QMAX: tl.constexpr,
-                COMP: tl.constexpr, SCALED: tl.constexpr, LOCAL: tl.constexpr,
-                SAT: tl.constexpr):
-    """The arithmetic of one entry step: x' (SAT: saturated), its group parameters and codes
-    and, LOCAL, the rounding error x' - x^ [/ 2^e] (SAT: the decode saturated) -> (scale words,
-    sf, z16, codes, m1, m2, error, |c|). Without SAT the bits are the same on a tame step."""
-    xp, m1, m2, xs, f, cabs = _x_scaled(x_ptr, m1_ptr, m2_ptr, fs_ptr, e, emask, eta, a, oma,
-                                        X_KIND, COMP, SCALED, SAT)
+                COMP: tl.constexpr, SCALED: tl.constexpr, LOCAL: tl.constexpr):
+    """The arithmetic of one entry step: x', its group parameters and codes and, LOCAL, the
+    rounding error x' - x^ [/ 2^e] -> (scale words, sf, z16, codes, m1, m2, error)."""
+    xp, m1, m2, xs, f = _x_scaled(x_ptr, m1_ptr, m2_ptr, fs_ptr, e, emask, eta, a, oma,
+                                  X_KIND, COMP, SCALED)
     sw, sf, z16, zf, finite = _group_params(xs, QUANT, LEVELS, QMAX)
     q = _codes(xs, sf, zf, finite, QUANT, LEVELS, QMAX)
     if LOCAL:
-        err = xs - _dequant(q - KMAGIC, sf, zf, QUANT, QMAX, SAT)   # x' - x^
+        err = xs - _dequant(q - KMAGIC, sf, zf, QUANT, QMAX, True)   # x' - x^
         if SCALED:
             err = err * tl.math.div_rn(tl.full([], 1.0, tl.float32), f)
     else:
         err = xs
-    return sw, sf, z16, q, m1, m2, err, cabs
+    return sw, sf, z16, q, m1, m2, err
 
 
 @triton.jit
@@ -314,14 +289,9 @@ def _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_ptr
             grp, gmask, e, emask = _step_ids(t, c, 0, seg, groups, n, BG, SG, GS, VT)
         else:
             grp, gmask, e, emask = _step_ids(t, c, RANK, seg, groups, n, BG, SG, GS, VT)
-        xp, m1, m2, xs, f, acc, risk = _owner_sum(
+        xp, m1, m2, xs, f, acc = _owner_sum(
             x_ptr, m1_ptr, m2_ptr, fs_ptr, own, e, emask, grp, gmask, slot, scale_off, zero_off,
-            eta, a, oma, RANK, P, X_KIND, GS, VT, BITS, QUANT, QMAX, COMP, SCALED, HALF, False)
-        if risk:                                           # not a tame step
-            xp, m1, m2, xs, f, acc, _risk = _owner_sum(
-                x_ptr, m1_ptr, m2_ptr, fs_ptr, own, e, emask, grp, gmask, slot, scale_off,
-                zero_off, eta, a, oma, RANK, P, X_KIND, GS, VT, BITS, QUANT, QMAX, COMP, SCALED,
-                HALF, True)
+            eta, a, oma, RANK, P, X_KIND, GS, VT, BITS, QUANT, QMAX, COMP, SCALED, HALF)
         if HALF == 1:
             if SCALED:
                 acc = acc * tl.math.div_rn(tl.full([], 1.0, tl.float32), f)
@@ -329,7 +299,7 @@ def _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_ptr
                      False)                                # y [seg]: chunk RANK of the sum
             if LOCAL:
                 _update(m1_ptr, m2_ptr, e, gated(emask, ok), m1, m2, tl.zeros_like(acc), b1,
-                        omb1, b2, omb2)
+                        omb1, b2, omb2, COMP)
         else:
             sw, sf, z16, zf, finite = _group_params(acc, QUANT, LEVELS, QMAX)
             q = _codes(acc, sf, zf, finite, QUANT, LEVELS, QMAX)
@@ -343,7 +313,7 @@ def _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_ptr
                     u = xs - _dequant(q - KMAGIC, sf, zf, QUANT, QMAX, True)  # x' - x^
                     if SCALED:
                         u = u * tl.math.div_rn(tl.full([], 1.0, tl.float32), f)
-                    _update(m1_ptr, m2_ptr, e, emask, m1, m2, u, b1, omb1, b2, omb2)
+                    _update(m1_ptr, m2_ptr, e, emask, m1, m2, u, b1, omb1, b2, omb2, COMP)
             elif LOCAL or OWN_Y:
                 y32 = _dequant(q - KMAGIC, sf, zf, QUANT, QMAX, SCALED)   # the packet's decode
                 if SCALED:
@@ -357,7 +327,7 @@ def _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_ptr
                     else:
                         u = acc - _as_f32_of_out(y32, X_KIND)
                     _update(m1_ptr, m2_ptr, e, gated(emask, ok), m1, m2, u, b1, omb1, b2,
-                            omb2)
+                            omb2, COMP)
     if HALF != 1:
         if ok:
             for i in tl.static_range(P):
@@ -371,15 +341,12 @@ def _owner_sum(x_ptr, m1_ptr, m2_ptr, fs_ptr, own, e, emask, grp, gmask, slot, s
                zero_off, eta, a, oma, RANK: tl.constexpr, P: tl.constexpr,
                X_KIND: tl.constexpr, GS: tl.constexpr, VT: tl.constexpr, BITS: tl.constexpr,
                QUANT: tl.constexpr, QMAX: tl.constexpr, COMP: tl.constexpr,
-               SCALED: tl.constexpr, HALF: tl.constexpr, SAT: tl.constexpr):
+               SCALED: tl.constexpr, HALF: tl.constexpr):
     """One reduce step's x' [* 2^e] and owner sum acc = c_0 + c_1 + ... in rank order (the own
-    contribution x' unquantized; HALF 2: acc = x'), SAT: every bound applied (x', each decoded
-    packet, the sum of a finite x') -> (x', m1, m2, xs, f, acc, risk); risk (scalar, without
-    SAT) says the step is not tame (TAME_X, TAME_C, TAME_S), so the unsaturated sum may
-    differ: recompute with SAT."""
-    xp, m1, m2, xs, f, cabs = _x_scaled(x_ptr, m1_ptr, m2_ptr, fs_ptr, e, emask, eta, a, oma,
-                                        X_KIND, COMP, SCALED, SAT)
-    smax = tl.zeros_like(grp).to(tl.float32)
+    contribution x' unquantized, each decoded packet and the sum of a finite x' saturated at
+    +-fp32 max; HALF 2: acc = x') -> (x', m1, m2, xs, f, acc)."""
+    xp, m1, m2, xs, f = _x_scaled(x_ptr, m1_ptr, m2_ptr, fs_ptr, e, emask, eta, a, oma,
+                                  X_KIND, COMP, SCALED)
     if HALF == 2:
         acc = xs                                           # the own shard, quantized once
     else:
@@ -388,21 +355,13 @@ def _owner_sum(x_ptr, m1_ptr, m2_ptr, fs_ptr, own, e, emask, grp, gmask, slot, s
                 v = xs
             else:
                 v, sf = _decode_slot(own + _slot(r, slot), scale_off, zero_off, grp, gmask,
-                                     GS, BITS, VT, QUANT, QMAX, SAT)
-                smax = tl.maximum(smax, sf)
+                                     GS, BITS, VT, QUANT, QMAX, True)
             if r == 0:
                 acc = v
             else:
                 acc = acc + v
-        if SAT:                                            # a finite own x': no overflow
-            acc = tl.where(tl.abs(xs) <= F32_MAX, _sat(acc, F32_MAX), acc)
-    if SAT:
-        risk = False
-    else:
-        risk = (tl.max(tl.abs(xs)) > TAME_X) | (tl.max(smax) > TAME_S)
-        if COMP:
-            risk = risk | (tl.max(cabs) > TAME_C)
-    return xp, m1, m2, xs, f, acc, risk
+        acc = tl.where(tl.abs(xs) <= F32_MAX, _sat(acc, F32_MAX), acc)   # a finite own x':
+    return xp, m1, m2, xs, f, acc                                          # no overflow
 
 
 @triton.jit
@@ -431,11 +390,10 @@ def _tail_tile(t, j, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_pt
             y32 = y32 * tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.load(fs_ptr))
         _store_y(y_ptr, res_ptr, e, emask, y32, X_KIND, ADD)
         if OUTPUT:
-            xp, m1, m2, cabs = _x_prime(x_ptr, m1_ptr, m2_ptr, e, emask, eta, a, oma, X_KIND,
-                                        COMP, True)
+            xp, m1, m2 = _x_prime(x_ptr, m1_ptr, m2_ptr, e, emask, eta, a, oma, X_KIND, COMP)
             yf = _as_f32_of_out(y32, X_KIND)
             u = xp - tl.math.div_rn(yf, tl.full(yf.shape, PF, tl.float32))   # x' - y/P
-            _update(m1_ptr, m2_ptr, e, emask, m1, m2, u, b1, omb1, b2, omb2)
+            _update(m1_ptr, m2_ptr, e, emask, m1, m2, u, b1, omb1, b2, omb2, COMP)
 
 
 # ----------------------------------------------------------------------------- stage kernels

@@ -103,13 +103,14 @@ def step_warps(group_size: int, step: int, num_warps: int) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=1024)
-def _static_args(lay: Layout, cfg: EchoConfig, rank: int, dtype: torch.dtype, comp: bool,
+def _static_args(lay: Layout, cfg: EchoConfig, rank: int, dtype: torch.dtype, comp: int,
                  scaled: bool, step_elems: int, half: bool = False,
                  num_warps: int = 4) -> tuple:
     """The launch arguments fixed by (layout, config, rank, dtype): built once, not per call.
     -> (layout scalars, compensator constants, constexprs common to the kernels (num_warps
-    among them: step_warps), extra constexprs by kernel name). half: a reduce-scatter or
-    all-gather call (its residual is always the own rounding errors)."""
+    among them: step_warps), extra constexprs by kernel name). comp: the kernels' COMP, 0
+    without state, 1 one state tensor (m2 is m1), 2 two. half: a reduce-scatter or all-gather
+    call (its residual is always the own rounding errors)."""
     spec = cfg.quant_spec()
     k = CompensatorConstants.from_config(cfg)
     scal = (lay.seg, lay.groups, lay.slot, lay.scale_off, lay.zero_off, lay.flags_off, lay.tiles)
@@ -177,7 +178,7 @@ class CallPlan:
     def _parts(self):
         st = self.state
         scal, consts, meta, per = _static_args(self.lay, self.cfg, self.rank, self.x.dtype,
-                                               st is not None, self.fs is not None,
+                                               _comp(st), self.fs is not None,
                                                self.step_elems, self.half is not None,
                                                self.num_warps)
         x = self.x
@@ -282,6 +283,13 @@ class CallPlan:
                     **self._stages()))
 
 
+def _comp(state: CompState | None) -> int:
+    """The kernels' COMP constexpr of a state: 0 none, 1 one tensor (m2 is m1), 2 two."""
+    if state is None:
+        return 0
+    return 1 if state.m2.data_ptr() == state.m1.data_ptr() else 2
+
+
 def next_call(epoch: torch.Tensor, tables: torch.Tensor, table: torch.Tensor) -> None:
     """Start a call on a pair of workspaces used in turn: epoch [1] int64 += 1, then table
     [P+1] = tables[epoch % 2] (tables [2, P+1] int64, the two workspaces' pointer tables).
@@ -301,7 +309,7 @@ def local_amax(x: torch.Tensor, state: CompState | None, cfg: EchoConfig,
     m1 = state.m1 if state is not None else x
     m2 = state.m2 if state is not None else x
     amax_kernel[(out.numel(),)](x, m1, m2, out, n, k.eta, k.a, k.one_minus_a,
-                                X_KIND=DTYPE_KIND[x.dtype], COMP=state is not None, BLOCK=block,
+                                X_KIND=DTYPE_KIND[x.dtype], COMP=_comp(state), BLOCK=block,
                                 **LAUNCH_OPTS)
     return out
 
