@@ -14,6 +14,9 @@ windows, tokens/s from it, the median host seconds per step (the time until the 
 Python returns, before the sync: close to the step time when the host bounds it), the first
 step's seconds (compile included) and the last loss. Data: --train-data, or random tokens.
 
+On CUDA one more step runs under torch.cuda.set_sync_debug_mode('warn'): the host syncs a
+step makes (`host_syncs_per_step`, the first messages with it).
+
 Equivalence (`--check`, on by default): one step of the same model and batch through both sim
 paths, per comm: the largest logit and gradient differences, and whether they are bit for bit
 (on the CPU they are: tests/test_tp_batched.py; a GPU's batched GEMMs may round otherwise).
@@ -26,6 +29,7 @@ import json
 import platform
 import statistics
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -48,8 +52,8 @@ VARIANTS = {  # name -> (sim path, torch.compile, simulated TP (False: the plain
 }
 DEFAULT_VARIANTS = ("shards", "batched", "batched+compile", "plain+compile")
 RECIPE = dict(model="studies/testbed/model.json", batch_size=64, seq_len=512, lr=2e-3,
-              min_lr=2e-4, warmup=67, weight_decay=0.1)
-"""The testbed recipe (studies/testbed/README.md); the schedule only sets the LR here."""
+              min_lr=2e-4, warmup=66, weight_decay=0.1)
+"""The testbed recipe (studies/testbed/recipe.sh); its schedule only sets the LR here."""
 
 
 def _sync(device: torch.device) -> None:
@@ -113,18 +117,36 @@ def run_variant(a, name: str, comm_spec: str, device) -> dict:
         t1 = time.perf_counter()
         per_step.append((t1 - t0) / a.window_steps)
         host.append((t_host - t0) / a.window_steps)
+    syncs = _count_syncs(one, device)
     tokens = a.batch_size * a.seq_len
     med = statistics.median(per_step)
     out = {"variant": name, "comm": comm_spec, "sim_path": sim_path if simulated else None,
            "compile": compile_, "world_size": a.simulate if simulated else 1,
            "tokens_per_s": tokens / med, "step_s_median": med,
            "host_s_median": statistics.median(host), "step_s": per_step,
-           "first_step_s": first_s, "steps": step, "last_loss": float(loss)}
+           "first_step_s": first_s, "steps": step, "last_loss": float(loss), **syncs}
     if device.type == "cuda":
         out["max_memory_GiB"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
     del built, forward, opt
     _release(device)
     return out
+
+
+def _count_syncs(one, device) -> dict:
+    """One more step under torch.cuda.set_sync_debug_mode('warn'): the synchronizing calls it
+    makes (a host sync stalls the queue; the step should make none). {} off CUDA."""
+    if device.type != "cuda":
+        return {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            one()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    msgs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+    _sync(device)
+    return {"host_syncs_per_step": len(msgs), "host_sync_messages": msgs[:5]}
 
 
 def _release(device) -> None:
@@ -218,8 +240,10 @@ def main(argv=None) -> dict:
             result["equivalence"].append(equivalence(a, comm, device))
             print("equivalence", result["equivalence"][-1], flush=True)
             save()
-    for comm in a.comms:
+    for i, comm in enumerate(a.comms):
         for name in a.variants:
+            if not VARIANTS[name][2] and i:          # the plain model has no comm: once
+                continue
             if a.deadline_s is not None and time.perf_counter() - start > a.deadline_s:
                 result["skipped"].append(f"{name} {comm}")
                 print(f"SKIPPED {name} {comm} (deadline)", flush=True)
