@@ -19,7 +19,9 @@ step makes (`host_syncs_per_step`, the first messages with it).
 
 Equivalence (`--check`, on by default): one step of the same model and batch through both sim
 paths, per comm: the largest logit and gradient differences, and whether they are bit for bit
-(on the CPU they are: tests/test_tp_batched.py; a GPU's batched GEMMs may round otherwise).
+(on the CPU they are: tests/test_tp_batched.py; a GPU's batched GEMMs may round otherwise);
+then `--check-steps` training steps of each path from the same init on the same batches: the
+losses, and their largest relative difference (whether rounding differences grow).
 """
 from __future__ import annotations
 
@@ -79,27 +81,37 @@ def _build(a, comm_spec: str, sim_path: str, simulated: bool, device):
                        sim_path=sim_path if P > 1 else "shards")
 
 
+class Run:
+    """One variant's model, optimizer and batches; step() is the trainer's step at the
+    schedule's LR (no host sync)."""
+
+    def __init__(self, a, name: str, comm_spec: str, device):
+        sim_path, compile_, simulated = VARIANTS[name]
+        self.o = TrainOptions(model=a.model, train_data="-", model_fields=tuple(a.model_field),
+                              steps=a.warmup + a.windows * a.window_steps, seq_len=a.seq_len,
+                              batch_size=a.batch_size, lr=a.lr, min_lr=a.min_lr,
+                              warmup=a.lr_warmup, weight_decay=a.weight_decay,
+                              compile=compile_, sim_path=sim_path, device=str(device))
+        self.amp = device.type == "cuda" if a.amp is None else a.amp
+        self.device = device
+        self.built = _build(a, comm_spec, sim_path, simulated, device)
+        self.forward = prepare_forward(self.built, compile_)
+        self.opt = build_optimizer(self.built.model, self.o)
+        self.batches = _batches(a, self.built.vocab_size)
+        self.steps = 0
+
+    def step(self):
+        for group in self.opt.param_groups:
+            group["lr"] = lr_at(self.steps, self.o)
+        self.steps += 1
+        return train_step(self.forward, self.built, self.opt, self.batches, self.o,
+                          self.device, self.amp)
+
+
 def run_variant(a, name: str, comm_spec: str, device) -> dict:
     sim_path, compile_, simulated = VARIANTS[name]
-    o = TrainOptions(model=a.model, train_data="-", model_fields=tuple(a.model_field),
-                     steps=a.warmup + a.windows * a.window_steps, seq_len=a.seq_len,
-                     batch_size=a.batch_size, lr=a.lr, min_lr=a.min_lr, warmup=a.lr_warmup,
-                     weight_decay=a.weight_decay, compile=compile_, sim_path=sim_path,
-                     device=str(device))
-    amp = device.type == "cuda" if a.amp is None else a.amp
-    built = _build(a, comm_spec, sim_path, simulated, device)
-    forward = prepare_forward(built, compile_)
-    opt = build_optimizer(built.model, o)
-    batches = _batches(a, built.vocab_size)
-    step = 0
-
-    def one():
-        nonlocal step
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, o)
-        step += 1
-        return train_step(forward, built, opt, batches, o, device, amp)
-
+    run = Run(a, name, comm_spec, device)
+    one = run.step
     t0 = time.perf_counter()
     loss, _ = one()
     _sync(device)
@@ -124,10 +136,10 @@ def run_variant(a, name: str, comm_spec: str, device) -> dict:
            "compile": compile_, "world_size": a.simulate if simulated else 1,
            "tokens_per_s": tokens / med, "step_s_median": med,
            "host_s_median": statistics.median(host), "step_s": per_step,
-           "first_step_s": first_s, "steps": step, "last_loss": float(loss), **syncs}
+           "first_step_s": first_s, "steps": run.steps, "last_loss": float(loss), **syncs}
     if device.type == "cuda":
         out["max_memory_GiB"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
-    del built, forward, opt
+    del run, one
     _release(device)
     return out
 
@@ -177,10 +189,18 @@ def equivalence(a, comm_spec: str, device) -> dict:
     (la, ga), (lb, gb) = got["shards"], got["batched"]
     rel = max(float((ga[k] - gb[k]).abs().max() / ga[k].abs().max().clamp_min(1e-30))
               for k in ga)
+    losses = {}
+    for path in ("shards", "batched"):       # a short training run: do differences grow?
+        run = Run(a, path, comm_spec, device)
+        losses[path] = torch.stack([run.step()[0] for _ in range(a.check_steps)]).tolist()
+        del run
+        _release(device)
     return {"comm": comm_spec, "logits_bit_identical": bool(torch.equal(la, lb)),
             "grads_bit_identical": all(torch.equal(ga[k], gb[k]) for k in ga),
             "max_logit_diff": float((la - lb).abs().max()),
-            "logit_scale": float(la.abs().max()), "max_grad_rel_diff": rel}
+            "logit_scale": float(la.abs().max()), "max_grad_rel_diff": rel,
+            "losses": losses, "max_loss_rel_diff": max(
+                abs(x / y - 1) for x, y in zip(losses["batched"], losses["shards"]))}
 
 
 def environment(device) -> dict:
@@ -219,12 +239,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--amp", default=None, action=argparse.BooleanOptionalAction)
     ap.add_argument("--check", default=True, action=argparse.BooleanOptionalAction,
                     help="the equivalence of the two sim paths, per comm")
+    ap.add_argument("--check-steps", type=int, default=8,
+                    help="training steps of the equivalence's loss comparison")
     ap.add_argument("--deadline-s", type=float, default=None,
                     help="skip the variants that would start past this many seconds")
     ap.add_argument("--out", required=True, help="JSON results")
     a = ap.parse_args(argv)
-    if a.warmup < 1 or a.windows < 1 or a.window_steps < 1:
-        raise SystemExit("--warmup, --windows and --window-steps must be >= 1")
+    if min(a.warmup, a.windows, a.window_steps, a.check_steps) < 1:
+        raise SystemExit("--warmup, --windows, --window-steps and --check-steps must be >= 1")
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     start = time.perf_counter()
     result = {"env": environment(device), "args": vars(a), "rows": [], "skipped": [],
@@ -250,10 +272,10 @@ def main(argv=None) -> dict:
                 continue
             row = run_variant(a, name, comm, device)
             result["rows"].append(row)
-            print(f"{name:16s} {comm:6s} {row['tokens_per_s']:>12,.0f} tokens/s  "
-                  f"step {row['step_s_median'] * 1e3:8.1f} ms (host {row['host_s_median'] * 1e3:7.1f}"
-                  f" ms)  first step {row['first_step_s']:6.1f} s  loss {row['last_loss']:.4f}",
-                  flush=True)
+            ms, host = row["step_s_median"] * 1e3, row["host_s_median"] * 1e3
+            print(f"{name:16s} {comm:6s} {row['tokens_per_s']:>12,.0f} tokens/s  step "
+                  f"{ms:8.1f} ms (host {host:7.1f} ms)  first step {row['first_step_s']:6.1f} s"
+                  f"  loss {row['last_loss']:.4f}", flush=True)
             save()
     base = {r["comm"]: r["tokens_per_s"] for r in result["rows"] if r["variant"] == "shards"}
     for r in result["rows"]:

@@ -20,7 +20,9 @@ record_env "$OUT"
 START=$(date +%s); DEADLINE=${DEADLINE:-480}
 D=$TESTBED_DATA
 for passes in ${PASSES:-1 2 3}; do
-  if (( $(date +%s) - START > DEADLINE )); then echo "SKIPPED $passes passes (deadline)"; continue; fi
+  if (( $(date +%s) - START > DEADLINE )); then
+    echo "SKIPPED $passes passes (deadline)"; continue
+  fi
   steps=$(testbed_steps "$passes")
   run=.work/probe/p$passes
   rm -rf "$run"; mkdir -p "$OUT/p$passes"
@@ -28,7 +30,8 @@ for passes in ${PASSES:-1 2 3}; do
       --eval-every $(( $(testbed_steps 0.25) )) --save-dtype bfloat16 --out-dir "$run" \
       --no-progress ${EXTRA:-} > "$OUT/p$passes/train.log" 2>&1 || echo "FAILED $passes passes"
   cp "$run"/{log.csv,val_rows.json,train_config.json} "$OUT/p$passes/" 2>/dev/null
-  echo "== $passes passes ($steps steps): $(tail -2 "$OUT/p$passes/train.log" | head -1 | cut -c1-160)"
+  echo "== $passes passes ($steps steps):" \
+       "$(tail -2 "$OUT/p$passes/train.log" | head -1 | cut -c1-160)"
   CK=$(ls -d "$run"/checkpoints/step-* 2>/dev/null | sort -t- -k2 -n | tail -1)
   if [ -f "$D/wiki8k.bin" ] && [ -n "$CK" ]; then
     python3 -m echo_tp.cli eval --model "$CK" --data "$D/wiki8k.bin" --bos --context 512 \

@@ -9,11 +9,12 @@
 # Carry .work/data/gut108.{bin,json,val.bin,val.json} (36.5 MB; studies/device_testbed.sh says
 # how they are made). Results in $OUT/NAME.tgz, NAME = CONFIG-sSEED[-lrF]: log.csv (loss per
 # step, held-out loss every EVAL_EVERY steps), val_rows.json (the final held-out NLL per row),
-# telemetry.csv (echo* configs: every call of every TELEMETRY_EVERY-th step, simulated
-# ||y - sum x|| per site), train.log, loss.png, train_config.json, gpus.txt, versions.txt.
+# telemetry.csv (echo* configs: every call of every TELEMETRY_EVERY-th step, default 100;
+# simulated ||y - sum x|| per site), train.log, loss.png, train_config.json, gpus.txt,
+# versions.txt.
 # The table, curves and verdict: python studies/train_schedule_report.py DIR... (its docstring).
 # Knobs: TESTBED_STEPS (a shorter schedule), SIM_PATH=shards (the per-shard reference path),
-# COMPILE= (eager), BUDGET (seconds, compile included; default 480), EVAL_EVERY (134: a quarter
+# COMPILE= (eager), BUDGET (seconds, compile included; default 500), EVAL_EVERY (134: a quarter
 # pass), TELEMETRY_EVERY. CPU smoke: TESTBED_DATA, TESTBED_MODEL, TESTBED_BATCH, TESTBED_SEQ,
 # TESTBED_ROWS, EXTRA (e.g. --device cpu).
 set -uo pipefail
@@ -26,14 +27,14 @@ NAME=$(echo "$CONFIG" | tr ':=,' '_-_')-s$SEED${3:+-lr$LRF}
 archive_results "$NAME"    # results in $FINAL/NAME.tgz (device_env.sh)
 record_env "$OUT"
 LR=$(python3 -c "print(2e-3 * $LRF)"); MIN_LR=$(python3 -c "print(2e-4 * $LRF)")
-case "$CONFIG" in echo*) TEL=${TELEMETRY_EVERY:-50} ;; *) TEL=${TELEMETRY_EVERY:-0} ;; esac
+case "$CONFIG" in echo*) TEL=${TELEMETRY_EVERY:-100} ;; *) TEL=${TELEMETRY_EVERY:-0} ;; esac
 RUN=.work/schedule/$NAME
 rm -rf "$RUN"
 START=$(date +%s)
 python3 -m echo_tp.cli train $(testbed_args "$TESTBED_STEPS") --lr "$LR" --min-lr "$MIN_LR" \
     --simulate 4 --sim-path "${SIM_PATH:-batched}" ${COMPILE---compile} --comm "$CONFIG" \
     --seed "$SEED" --eval-every "${EVAL_EVERY:-$(testbed_steps 0.25)}" --telemetry-every "$TEL" \
-    --time-budget "${BUDGET:-480}" --save-dtype bfloat16 --out-dir "$RUN" --no-progress \
+    --time-budget "${BUDGET:-500}" --save-dtype bfloat16 --out-dir "$RUN" --no-progress \
     ${EXTRA:-} > "$OUT/train.log" 2>&1
 echo "rc=$? in $(( $(date +%s) - START )) s"
 cp "$RUN"/{log.csv,val_rows.json,train_config.json,loss.png,telemetry.csv} "$OUT/" 2>/dev/null

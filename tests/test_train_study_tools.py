@@ -8,7 +8,8 @@ What is compared with what:
   paired-bootstrap interval containing the true factor, the verdict ('yes' / 'no' / 'not
   resolved'), a run stopped early marked, and the curves / telemetry PNGs written;
 - train_speed.py's dry run (P=2, tiny-qwen3, CPU): every asked variant timed with positive
-  tokens/s, the equivalence check bit for bit on the CPU, the JSON written.
+  tokens/s, the equivalence check bit for bit on the CPU (one step's logits and gradients, two
+  steps' losses), the JSON written.
 Where to look first: train_schedule_report.summarize / change_vs (pairing by seed and rows),
 then verdict; for the benchmark echo_tp.train.train_step / prepare_forward.
 """
@@ -100,7 +101,7 @@ def test_train_speed_dry_run(tmp_path):
     out = tmp_path / "speed.json"
     result = train_speed.main(["--device", "cpu", "--model", "tiny-qwen3", "--simulate", "2",
                                "--batch-size", "2", "--seq-len", "16", "--warmup", "1",
-                               "--windows", "1", "--window-steps", "1",
+                               "--windows", "1", "--window-steps", "1", "--check-steps", "2",
                                "--variants", "shards", "batched", "plain", "--out", str(out)])
     assert json.loads(out.read_text())["rows"] == result["rows"]
     assert [r["variant"] for r in result["rows"]] == ["shards", "batched", "plain"]
@@ -109,3 +110,4 @@ def test_train_speed_dry_run(tmp_path):
     assert result["rows"][0]["last_loss"] == result["rows"][1]["last_loss"]   # bit for bit
     eq = result["equivalence"][0]
     assert eq["logits_bit_identical"] and eq["grads_bit_identical"] and eq["comm"] == "echo4"
+    assert len(eq["losses"]["batched"]) == 2 and eq["max_loss_rel_diff"] == 0

@@ -20,7 +20,8 @@ from .plan import TP_PLAN, BlockInput, Colwise, PartialGradReplicate, Rowwise
 from .policy import POLICIES, CommSpec, make_policy, parse_comm_spec, parse_comm_specs
 
 __all__ = [
-    "TP_PLAN", "SIM_PATHS", "Colwise", "Rowwise", "BlockInput", "PartialGradReplicate", "parallelize",
+    "TP_PLAN", "SIM_PATHS", "Colwise", "Rowwise", "BlockInput", "PartialGradReplicate",
+    "parallelize",
     "set_comm", "rank_parameters", "RowwiseLinear", "SimTPBlock", "sync_partial_grads",
     "grad_norm", "clip_grad_norm_", "full_state_dict", "unshard", "make_policy", "POLICIES",
     "CommSpec", "parse_comm_spec", "parse_comm_specs",

@@ -63,16 +63,16 @@ def block_kind(shard: nn.Module) -> str | None:
 def unfit(kind: str | None, args: tuple, kwargs: dict, sequence_parallel: bool) -> str | None:
     """Why a block call cannot run batched (None when it can)."""
     if kind is None:
-        return "the block is not the project's Attention / MLP"
+        return "a block that is not the project's Attention / MLP"
     if sequence_parallel:
-        return "sequence parallelism runs shard by shard"
+        return "sequence parallelism"
     if not args or args[0].dim() != 3:
-        return "the block input must come first, as [B, T, dim]"
+        return "a block input that is not the first argument, [B, T, dim]"
     if kind == "attention":
         if len(args) != 3 or kwargs.get("cache") is not None:
-            return "attention with a KV cache (decoding) runs shard by shard"
+            return "attention with a KV cache (decoding)"
     elif len(args) != 1 or kwargs:
-        return "the MLP takes its input alone"
+        return "an MLP call with more than its input"
     return None
 
 

@@ -118,7 +118,7 @@ class SimTPBlock(nn.Module):
                 return self._batched(args)
             if why not in tp.sim_fallbacks:
                 tp.sim_fallbacks.add(why)
-                log.info("echo-tp: simulated blocks run shard by shard where %s", why)
+                log.info("echo-tp: sim_path='batched': blocks run shard by shard for %s", why)
         x, put = _block_input(args, kwargs)
         sp = self.site.tp.sequence_parallel   # x: the P sequence shards side by side
         xs = (SimAllGather if sp else SimCopy).apply(x, self.site)

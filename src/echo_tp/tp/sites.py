@@ -31,8 +31,8 @@ tensor whose chunk i along SEQ_DIM is virtual rank i's shard.
 Simulated (P virtual ranks in one process): `SimCopy` hands each virtual shard its own view of
 the block input and all-reduces the P input gradients as [P, ...]; `SimExpand` does the same for
 a batched block (tp/batched.py), whose ranks take the input as one [P, ...] expand; `SimReduce`
-sums the P partial outputs given as a [P, ...] stack. The communicator's backward direction applies the power-of-two
-gradient scaling itself (SPEC §5).
+sums the P partial outputs given as a [P, ...] stack. The communicator's backward direction
+applies the power-of-two gradient scaling itself (SPEC §5).
 """
 from __future__ import annotations
 
