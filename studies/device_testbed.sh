@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The fidelity testbed of issue 19 (item 2), one GPU call: train the recipe (studies/testbed/),
-# probe its massive activations, and a first look at naive 4-bit at simulated TP=8 and 4.
+# The fidelity testbed of issue 19 (item 2), one GPU call: train the recipe (studies/testbed/:
+# model.json, recipe.sh; 2 passes since issue 30, 3600 steps before), probe its massive
+# activations, and a first look at naive 4-bit at simulated TP=8 and 4.
 #   run: bash studies/device_testbed.sh    (carry .work/data/gut108.{bin,json,val.bin,val.json};
 #   the checkpoint stays in .work/testbed/ for studies/device_fidelity.sh on the same machine)
 # Data (CPU, this repo): all 108 books of ../shared/data/gutenberg.tar.xz,
@@ -9,16 +10,15 @@
 #   -> 17,514,666 training tokens (101 books), 726,632 held out (7 whole books).
 set -euo pipefail
 source studies/device_env.sh
+source studies/testbed/recipe.sh
 OUT=${OUT:-/tmp/testbed-out}; mkdir -p "$OUT"
 record_env "$OUT"
-D=.work/data
+D=$TESTBED_DATA
 RUN=.work/testbed
 rm -rf "$RUN"
-python3 -m echo_tp.cli train --model studies/testbed/model.json \
-    --train-data $D/gut108.bin --val-data $D/gut108.val.bin --bos --batch-size 64 --seq-len 512 \
-    --steps "${STEPS:-3600}" --time-budget "${BUDGET:-340}" --lr 2e-3 --min-lr 2e-4 \
-    --warmup 225 --weight-decay 0.1 --compile --save-dtype bfloat16 --sync-every 50 --seed 0 \
-    --eval-batches 40 --out-dir $RUN --no-progress > "$OUT/train.log" 2>&1 \
+python3 -m echo_tp.cli train $(testbed_args "${STEPS:-$TESTBED_STEPS}") \
+    --time-budget "${BUDGET:-340}" --compile --save-dtype bfloat16 --seed 0 \
+    --out-dir $RUN --no-progress > "$OUT/train.log" 2>&1 \
     || { tail -40 "$OUT/train.log"; exit 1; }
 tail -5 "$OUT/train.log"
 cp $RUN/log.csv "$OUT/train-log.csv"

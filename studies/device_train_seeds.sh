@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# (Superseded for issue 30 by studies/device_train_schedule.sh: one run per call of the 2-pass
+# recipe on the batched simulated path. Kept as the record of 2026-12-01-train-seeds.md.)
 # Issue 19 item 5, one GPU call: training with the collective in the loop on the testbed's recipe
 # (studies/testbed/model.json, LR 2e-3 -> 2e-4 cosine, 5% warmup, wd 0.1, batch 64 x 512, BOS),
 # at simulated TP=4 (every forward and backward site through 4-bit), 16-bit / Echo 4-bit / naive

@@ -169,6 +169,13 @@ def _train(sub):
     g.add_argument("--sequence-parallel", action="store_true", help="a reduce-scatter and an "
                    "all-gather at each block boundary (the all-gathers at the comm's "
                    "gather_bits: 8 unless the spec says, e.g. 'echo4:gather_bits=0')")
+    g.add_argument("--sim-path", default="shards", choices=["shards", "batched"],
+                   help="--simulate: each block's virtual shards one after another (shards, "
+                   "the reference) or the ranks as a batch dim of every op (batched: the "
+                   "fast path; bit for bit on the CPU, within float tolerance on GPUs)")
+    p.add_argument("--telemetry-every", type=int, default=0, metavar="N",
+                   help="every N steps one step with the collective's per-call error telemetry "
+                   "(out_dir/telemetry.csv; simulated: the exact ||y - sum x|| per site)")
 
     def run(a):
         from .train import main
@@ -181,7 +188,8 @@ def _train(sub):
              save_dtype=a.save_dtype, compile=a.compile, sync_every=a.sync_every,
              out_dir=a.out_dir, seed=a.seed, device=a.device, amp=a.amp, simulate=a.simulate,
              world_size=a.world_size, progress=not a.no_progress,
-             sequence_parallel=a.sequence_parallel)
+             sequence_parallel=a.sequence_parallel, sim_path=a.sim_path,
+             telemetry_every=a.telemetry_every)
     p.set_defaults(func=run)
 
 

@@ -213,9 +213,26 @@ class EchoCommunicator:
         residual_out and one norm-only pass follows (norm.rmsnorm); elsewhere the all-reduce
         returns y and the add and the norm run as one pass after it (norm.add_rmsnorm; one
         kernel on CUDA). Both give add_rmsnorm_reference(all_reduce(partial), residual, ...)
-        bit for bit, with the same compensator state."""
+        bit for bit, with the same compensator state.
+
+        Simulated, with one residual [..., H] for every virtual rank (and a backend that does
+        not add it): the ranks' y rows are identical, so the add and the norm run once, on
+        row 0 (each row's bits), and both outputs are that row expanded over the ranks."""
         from .norm import add_rmsnorm, check_add_rmsnorm, rmsnorm
         self._check_input(partial, "all_reduce")
+        if self.simulated and residual.shape == partial.shape[1:] and (
+                residual.dtype != partial.dtype or not self.dispatcher.adds_residual(
+                    self._flatten(partial), self.config_for(bits))):
+            if residual.dtype == partial.dtype:                  # the calls of the paths below
+                check_add_rmsnorm(partial[0], residual, weight)       # refused before the call
+                y = self._guarded("all_reduce", lambda: self._all_reduce(
+                    partial, direction, bits, False))[0][0]
+            else:
+                y = self.all_reduce(partial, direction=direction, bits=bits)[0]
+            dtype = torch.promote_types(y.dtype, residual.dtype)
+            normed, rout = add_rmsnorm(y.to(dtype), residual.to(dtype).contiguous(), weight, eps)
+            return normed.expand(partial.shape[0], *normed.shape), \
+                rout.expand(partial.shape[0], *rout.shape)
         if residual.shape != partial.shape:
             residual = residual.expand(partial.shape)
         if isinstance(residual, torch.Tensor) and residual.dtype != partial.dtype:

@@ -3,6 +3,7 @@
     plan.py         TP_PLAN: module path pattern -> Colwise / Rowwise / BlockInput / ...
     sites.py        autograd sites: forward all-reduce "g", backward all-reduce "f", pass marks
     parallelize.py  parallelize(model, comm[, rank]): real rank or P simulated virtual ranks
+    batched.py      simulated fast path (sim_path='batched'): the virtual ranks as a batch dim
     sequence.py     sequence parallelism (parallelize(..., sequence_parallel=True))
     blocks.py       how a block's input, extra outputs and head attributes are found
     policy.py       per-site bit policies; comm spec strings ('echo4:eta=0.9,quantizer=naive')
@@ -13,12 +14,14 @@
 transformers' own models: echo_tp.hf.parallelize_hf (their plan table, this engine).
 """
 from .grads import clip_grad_norm_, full_state_dict, grad_norm, sync_partial_grads, unshard
-from .parallelize import RowwiseLinear, SimTPBlock, parallelize, rank_parameters, set_comm
+from .parallelize import (SIM_PATHS, RowwiseLinear, SimTPBlock, parallelize, rank_parameters,
+                          set_comm)
 from .plan import TP_PLAN, BlockInput, Colwise, PartialGradReplicate, Rowwise
 from .policy import POLICIES, CommSpec, make_policy, parse_comm_spec, parse_comm_specs
 
 __all__ = [
-    "TP_PLAN", "Colwise", "Rowwise", "BlockInput", "PartialGradReplicate", "parallelize",
+    "TP_PLAN", "SIM_PATHS", "Colwise", "Rowwise", "BlockInput", "PartialGradReplicate",
+    "parallelize",
     "set_comm", "rank_parameters", "RowwiseLinear", "SimTPBlock", "sync_partial_grads",
     "grad_norm", "clip_grad_norm_", "full_state_dict", "unshard", "make_policy", "POLICIES",
     "CommSpec", "parse_comm_spec", "parse_comm_specs",

@@ -88,14 +88,16 @@ def grad_norm(model: nn.Module) -> torch.Tensor:
     seen: set[int] = set()
     per_rank = []  # this rank's sum of squares (every virtual rank's, simulated)
     for r in _ranks(tp):
-        terms = []
+        grads = []
         for name, p in rank_parameters(model, r if tp.simulated else None).items():
             if id(p) in seen or p.grad is None:  # tied weights once
                 continue
             seen.add(id(p))
             if _group_of(tp.replicas[name], r)[0] == r:
-                terms.append(p.grad.detach().float().square().sum())
-        per_rank.append(torch.stack(terms).sum() if terms else torch.zeros((), device=device))
+                grads.append(p.grad.detach())
+        # one foreach launch per rank, not three small ones per parameter
+        per_rank.append(torch.stack(torch._foreach_norm(grads)).float().square().sum()
+                        if grads else torch.zeros((), device=device))
     total = per_rank[0]
     for t in per_rank[1:]:  # rank order, as an all-reduce of two ranks adds
         total = total + t
@@ -109,7 +111,10 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Scale every local gradient by min(1, max_norm / (norm + 1e-6)); return the norm before."""
     norm = grad_norm(model)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    tp = _context(model)
+    params = {id(p): p for r in _ranks(tp)       # every parameter once (the cached lookup)
+              for p in rank_parameters(model, r if tp.simulated else None).values()}
+    grads = [p.grad for p in params.values() if p.grad is not None]
     if grads:
         torch._foreach_mul_(grads, coef.to(grads[0].device))
     return norm

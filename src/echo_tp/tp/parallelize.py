@@ -15,7 +15,9 @@ other, so each partial is bit-identical to that rank's, and the [P, ...] stack o
 through SimulatedCommunicator.all_reduce. Logits and gradients then match the P-process run bit
 for bit at bits 4 and 8 (at 16 bits the simulated sum is fp32 in rank order; gloo/NCCL may sum in
 another order). Shard i's parameters are named `<block>.shards.<i>.<name>`; tp.rank_parameters
-maps them back to the real names.
+maps them back to the real names. sim_path='batched' runs the project's attention and MLP
+blocks with the P ranks as a batch dim of each op instead (tp/batched.py: the same parameters,
+sites and communicator calls; bit for bit on the CPU, within float tolerance on GPUs).
 
 sequence_parallel=True (tp/sequence.py): between blocks the residual stream is sharded over
 the sequence; each block input is all-gathered and each row-parallel output reduce-scattered
@@ -31,6 +33,7 @@ output comes from `SplitParams` modules (fused MoE experts) is all-reduced at it
 from __future__ import annotations
 
 import copy
+import logging
 import weakref
 
 import torch
@@ -39,7 +42,7 @@ from torch import nn
 
 from echo_tp.models.transformer import LayerKVCache, Transformer
 
-from . import sequence
+from . import batched, sequence
 from .blocks import block_input as _block_input
 from .blocks import join_heads as _join_heads
 from .blocks import set_local_heads as _set_local_heads
@@ -47,7 +50,13 @@ from .plan import (TP_PLAN, BlockInput, Colwise, PartialGradReplicate, Rowwise, 
                    match_plan, replica_groups, site_index, unit_rows)
 from .policy import make_policy
 from .sites import (AllGather, BackwardPassStart, CopyToTP, ReduceAddNorm, ReduceFromTP,
-                    ReduceScatter, SimAllGather, SimCopy, SimReduce, Site, TPContext)
+                    ReduceScatter, SimAllGather, SimCopy, SimExpand, SimReduce, Site, TPContext)
+
+log = logging.getLogger(__name__)
+
+SIM_PATHS = ("shards", "batched")
+"""How a simulated model runs its blocks: shard by shard (the reference) or batched over the
+virtual ranks (tp/batched.py)."""
 
 
 class RowwiseLinear(nn.Module):
@@ -78,7 +87,9 @@ class RowwiseLinear(nn.Module):
 
 
 class SimTPBlock(nn.Module):
-    """P virtual shards of one block (attention or MLP): f site, shards one by one, g site.
+    """P virtual shards of one block (attention or MLP): f site, shards one by one, g site; or,
+    under TPContext.sim_path 'batched' and where tp/batched.py takes the block, every shard's
+    ops at once over a leading rank dim (the same sites, the same [P, ...] stacks).
 
     split_cache(cache, n_shards, shard) -> n_shards caches, one per shard: each shard keeps its
     own kv heads (default: the project's LayerKVCache)."""
@@ -94,10 +105,20 @@ class SimTPBlock(nn.Module):
         self.partial_out = False
         """True: return the [P, ...] stack of partials (first of the tuple when the block
         returns one); the layer's boundary sums it."""
+        self.kind = batched.block_kind(shards[0])
+        """'attention' / 'mlp' where the batched path can run the block (tp/batched.py)."""
 
     def forward(self, *args, **kwargs):
         """x [B, T, dim] (same on every virtual rank; first positional or `hidden_states=`)
         -> the block output [B, T, dim] (or the block's tuple with its output first)."""
+        tp = self.site.tp
+        if tp.sim_path == "batched":
+            why = batched.unfit(self.kind, args, kwargs, tp.sequence_parallel)
+            if why is None:
+                return self._batched(args)
+            if why not in tp.sim_fallbacks:
+                tp.sim_fallbacks.add(why)
+                log.info("echo-tp: sim_path='batched': blocks run shard by shard for %s", why)
         x, put = _block_input(args, kwargs)
         sp = self.site.tp.sequence_parallel   # x: the P sequence shards side by side
         xs = (SimAllGather if sp else SimCopy).apply(x, self.site)
@@ -126,6 +147,18 @@ class SimTPBlock(nn.Module):
             return y
         return (y, *(_join_heads([o[i] for o in outs]) for i in range(1, len(outs[0]))))
 
+    def _batched(self, args: tuple) -> torch.Tensor:
+        """The batched path: args[0] x [B, T, dim] -> the block output (the [P, ...] partials
+        under partial_out)."""
+        xs = SimExpand.apply(args[0], self.site)                  # [P, B, T, dim]
+        tp = self.site.tp
+        partials = batched.partials(self.kind, self.shards, xs, args,
+                                    tp.compiled_blocks if tp.compile_blocks else None)
+        if self.partial_out:
+            return partials
+        y = SimReduce.apply(partials, self.site)
+        return y if self.bias is None else y + self.bias
+
     def _sub_caches(self, cache) -> list:
         subs = self._caches.get(cache)
         if subs is None:
@@ -144,7 +177,7 @@ def _split_layer_cache(cache: LayerKVCache, n_shards: int, shard: nn.Module):
 def parallelize(model: Transformer, comm, rank: int | None = None, *, policy=None,
                 plan: dict | None = None, layout=None, n_layers: int | None = None,
                 pass_root: nn.Module | None = None, split_cache=None,
-                sequence_parallel: bool = False) -> Transformer:
+                sequence_parallel: bool = False, sim_path: str = "shards") -> Transformer:
     """Shard `model` in place for `rank` of comm's group (or for all P virtual ranks when comm is
     a SimulatedCommunicator) and route its TP sites through comm with bits=policy(site).
 
@@ -153,17 +186,25 @@ def parallelize(model: Transformer, comm, rank: int | None = None, *, policy=Non
     sequence_parallel: the residual stream between blocks sharded over the sequence, each
     all-reduce a reduce-scatter and an all-gather through comm (tp/sequence.py; the sequence
     length must be divisible by P; a group of one runs as without it).
+    sim_path (simulated only): 'shards' (default, the reference: each block's shards one after
+    another) or 'batched' (tp/batched.py: the virtual ranks as a batch dim of every op where
+    the block allows it; swappable later through model.echo_tp.sim_path).
     Models other than `Transformer` name their `plan`, head `layout` (plan.HeadLayout),
     `n_layers`, `pass_root` (the module whose forward is one pass; default model) and, for
     simulated KV caches, `split_cache` (see SimTPBlock)."""
     if getattr(model, "echo_tp", None) is not None:
         raise ValueError("model is already parallelized; build a fresh one")
+    if sim_path not in SIM_PATHS:
+        raise ValueError(f"sim_path must be one of {SIM_PATHS}, got {sim_path!r}")
     plan = TP_PLAN if plan is None else plan
     cfg = model.cfg if layout is None else layout
     n_layers = cfg.n_layers if n_layers is None else n_layers
     pass_root = model if pass_root is None else pass_root
     P = comm.world_size
     simulated = bool(getattr(comm, "simulated", False))
+    if sim_path != "shards" and not simulated:
+        raise ValueError(f"sim_path={sim_path!r} is a way of running virtual ranks; a real "
+                         "rank runs its own shard: leave sim_path at 'shards'")
     if not simulated:
         if rank is None:
             import torch.distributed as dist
@@ -172,7 +213,7 @@ def parallelize(model: Transformer, comm, rank: int | None = None, *, policy=Non
             raise ValueError(f"rank {rank} is outside the TP group of {P}")
     tp = TPContext(comm=comm, policy=make_policy(policy, n_layers), world_size=P,
                    n_layers=n_layers, rank=None if simulated else rank, cfg=cfg,
-                   sequence_parallel=bool(sequence_parallel) and P > 1)
+                   sequence_parallel=bool(sequence_parallel) and P > 1, sim_path=sim_path)
     blocks = [(n, m, s) for n, m in model.named_modules()
               if isinstance(s := match_plan(plan, n), BlockInput)]
     if simulated:
@@ -447,23 +488,41 @@ def _set_submodule(root: nn.Module, dotted: str, new: nn.Module) -> None:
 def rank_parameters(model: nn.Module, rank: int | None = None,
                     tp: TPContext | None = None) -> dict[str, nn.Parameter]:
     """Rank's parameters under their real (single-rank) names, tied names included.
-    Real model: its own parameters (rank must be None or its rank). Simulated: virtual rank's."""
+    Real model: its own parameters (rank must be None or its rank). Simulated: virtual rank's.
+    Where each name lives (module, attribute) is looked up once per model and rank, so a call is
+    a dict read per parameter (training calls it every step); Parameters reassigned since are
+    seen, modules replaced after parallelize are not."""
+    cached = tp is None       # tp given: parallelize itself, while the tree is still changing
     tp = tp if tp is not None else _context(model)
-    named = dict(model.named_parameters(remove_duplicate=False))
     if not tp.simulated:
         if rank not in (None, tp.rank):
             raise ValueError(f"this process holds rank {tp.rank}, not {rank}")
-        return named
-    if rank is None or not 0 <= rank < tp.world_size:
+    elif rank is None or not 0 <= rank < tp.world_size:
         raise ValueError(f"name a virtual rank in [0, {tp.world_size})")
+    slots = tp.param_slots.get(rank) if cached else None
+    if slots is None:
+        slots = _rank_slots(model, rank, tp)
+        if cached:
+            tp.param_slots[rank] = slots
+    return {name: module._parameters[leaf] for name, module, leaf in slots}
+
+
+def _rank_slots(model: nn.Module, rank: int | None, tp: TPContext) -> list[tuple]:
+    """(real name, module, attribute) of each of rank's parameters, in named_parameters order
+    (remove_duplicate=False: tied names included)."""
+    named = [(f"{m}.{leaf}" if m else leaf, module, leaf)
+             for m, module in model.named_modules(remove_duplicate=False)
+             for leaf, p in module._parameters.items() if p is not None]
+    if not tp.simulated:
+        return named
     sim_to_real = {sim: real for (r, real), sim in tp.sim_names.items() if r == rank}
-    out = {}
-    for name, p in named.items():
+    out = []
+    for name, module, leaf in named:
         if ".shards." in name:
             if name in sim_to_real:
-                out[sim_to_real[name]] = p
+                out.append((sim_to_real[name], module, leaf))
         elif name in sim_to_real:
-            out[sim_to_real[name]] = p  # a moved row-parallel bias
+            out.append((sim_to_real[name], module, leaf))  # a moved row-parallel bias
         else:
-            out[name] = p
+            out.append((name, module, leaf))
     return out

@@ -29,9 +29,10 @@ Simulated, a sequence-sharded tensor is held as the P shards side by side: one [
 tensor whose chunk i along SEQ_DIM is virtual rank i's shard.
 
 Simulated (P virtual ranks in one process): `SimCopy` hands each virtual shard its own view of
-the block input and all-reduces the P input gradients as [P, ...]; `SimReduce` sums the P partial
-outputs given as a [P, ...] stack. The communicator's backward direction applies the power-of-two
-gradient scaling itself (SPEC §5).
+the block input and all-reduces the P input gradients as [P, ...]; `SimExpand` does the same for
+a batched block (tp/batched.py), whose ranks take the input as one [P, ...] expand; `SimReduce`
+sums the P partial outputs given as a [P, ...] stack. The communicator's backward direction
+applies the power-of-two gradient scaling itself (SPEC §5).
 """
 from __future__ import annotations
 
@@ -71,6 +72,18 @@ class TPContext:
     sequence_partial: set = field(default_factory=set)
     """sequence_parallel: real names of replicated parameters used on the sequence shards
     (norms, row-parallel biases): each rank's gradient covers its positions only."""
+    sim_path: str = "shards"
+    """Simulated only (swappable): 'shards', each block's P shards one after another (the
+    reference), or 'batched', the ranks as a batch dim of every op where the block allows it
+    (tp/batched.py)."""
+    compile_blocks: bool = False
+    """sim_path 'batched': the batched block functions run through torch.compile."""
+    compiled_blocks: dict = field(default_factory=dict)
+    """compile_blocks: the compiled block functions (tp/batched.py), built on first use."""
+    sim_fallbacks: set = field(default_factory=set)
+    """sim_path 'batched': the reasons blocks ran shard by shard (each logged once)."""
+    param_slots: dict = field(default_factory=dict)
+    """rank (None: a real rank) -> where its parameters live (tp.rank_parameters' lookup)."""
 
     @property
     def simulated(self) -> bool:
@@ -215,6 +228,21 @@ class SimCopy(torch.autograd.Function):
         ref = next(g for g in grads if g is not None)
         stacked = torch.stack([torch.zeros_like(ref) if g is None else g for g in grads])
         return ctx.site.backward_reduce(stacked)[0], None
+
+
+class SimExpand(torch.autograd.Function):
+    """Simulated f of a batched block (tp/batched.py): x [B, T, ...] -> [P, B, T, ...], virtual
+    rank r's copy at index r (an expand, no copy); backward all-reduces the [P, ...] stack of
+    the ranks' input gradients, as SimCopy's, and returns the (identical) sum."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, site: Site):
+        ctx.site = site
+        return x.unsqueeze(0).expand(site.tp.world_size, *x.shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.site.backward_reduce(grad.contiguous())[0], None
 
 
 class SimReduce(torch.autograd.Function):

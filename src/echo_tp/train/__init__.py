@@ -2,9 +2,9 @@
 mode and its checkpoints (model.py), seeded token batches, BOS-started document packing
 (data.py), CSV + PNG loss log (log.py)."""
 from .data import IGNORE, TokenBatches, eval_batches, pack_documents
-from .log import LossLog, plot_losses
-from .loop import TrainOptions, build_optimizer, lr_at, main
+from .log import LossLog, TelemetryLog, plot_losses
+from .loop import TrainOptions, build_optimizer, lr_at, main, prepare_forward, train_step
 
 __all__ = ["TrainOptions", "main", "lr_at", "build_optimizer", "TokenBatches", "eval_batches",
            "pack_documents", "IGNORE",
-           "LossLog", "plot_losses"]
+           "LossLog", "TelemetryLog", "plot_losses", "prepare_forward", "train_step"]

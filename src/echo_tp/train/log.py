@@ -1,4 +1,5 @@
-"""Loss log of a training run: a CSV written row by row, and a PNG plot of it."""
+"""Loss log of a training run: a CSV written row by row, and a PNG plot of it; the collective's
+per-call telemetry of sampled steps (TelemetryLog)."""
 from __future__ import annotations
 
 import csv
@@ -30,6 +31,31 @@ class LossLog:
             w.writerow(COLUMNS)
             for row in self.rows:
                 w.writerow(["" if row.get(c) is None else row[c] for c in COLUMNS])
+
+
+TELEMETRY_COLUMNS = ("step", "pass", "direction", "site", "bits", "numel", "x_sq", "y_sq",
+                     "sent_err_sq", "requant_err_sq", "corr_sq", "delta_norm_est", "rho_norm",
+                     "delta_norm", "partial_sum_norm", "exact_sum_norm")
+"""One row per collective call of a sampled step: comm.telemetry_summary()'s fields
+(echo_tp.telemetry; the last five simulated only). `site` numbers the calls of a pass in call
+order: forward call k is site k, backward call k site 2L-1-k (tp/sites.py)."""
+
+
+class TelemetryLog:
+    """Rows of TELEMETRY_COLUMNS, appended a sampled step at a time."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("w", newline="") as f:
+            csv.writer(f).writerow(TELEMETRY_COLUMNS)
+
+    def append(self, step: int, rows: list[dict]) -> None:
+        with self.path.open("a", newline="") as f:
+            w = csv.writer(f)
+            for row in rows:
+                row = {**row, "step": step}
+                w.writerow(["" if row.get(c) is None else row[c] for c in TELEMETRY_COLUMNS])
 
 
 def plot_losses(rows: list[dict], out: str | Path, title: str = "") -> Path:

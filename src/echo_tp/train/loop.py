@@ -10,8 +10,12 @@
   weights; bf16 autocast on CUDA unless amp=False). A group of one (no simulate / world_size /
   torchrun, or any of them with P = 1) trains the plain single-device model: no communicator, no
   TP layers (a sum over one rank is its input exactly, so the comm config changes nothing).
-  compile=True wraps the model in torch.compile (meant for the plain path; a simulated TP
-  model runs compiled too, with the same losses; its speed is not measured).
+  compile=True wraps the model in torch.compile (a simulated TP model on sim_path='batched':
+  its blocks' batched functions instead, tp/batched.py; the sites stay eager).
+- Simulated TP (simulate=P): sim_path='shards' (default, the reference) runs each block's P
+  virtual shards one after another; 'batched' runs the project's attention and MLP blocks
+  with the ranks as a batch dim of every op (tp/batched.py: the same parameters, sites and
+  communicator calls; bit for bit on the CPU, within float tolerance on GPUs).
 - Data: train/data.py, order fixed by `seed`: the same batches for every comm config. bos=True:
   every row starts with BOS and holds whole document pieces (documents split at the token file's
   eos_id; BOS = bos_id, default that same id, as in GPT-2-style vocabularies); padding is not
@@ -33,7 +37,13 @@
   val_data, same comm config. Every save_every steps (and at the end): whole weights gathered
   from the shards, written in save_dtype (float32 default, or bfloat16) as an HF checkpoint
   (out_dir/checkpoints/step-N) that `echo-tp eval` loads.
-- out_dir/log.csv (per step) and out_dir/loss.png; out_dir/train_config.json.
+- out_dir/log.csv (per step) and out_dir/loss.png; out_dir/train_config.json; with val_data
+  out_dir/val_rows.json: the final evaluation's summed NLL and scored tokens of every held-out
+  row (the same rows for every comm config and seed: a paired bootstrap's windows).
+- telemetry_every=N (P > 1): steps 0, N, 2N, ... run with the collective's telemetry on
+  (echo_tp.telemetry; simulated: the exact ||rho|| = ||y - sum x|| and ||delta|| of every
+  call; real ranks: the estimate), one row per call in out_dir/telemetry.csv. Telemetry takes
+  the reference all-reduce (same bits, slower) for those steps.
 Runs plain, simulated (simulate=P), on P gloo processes (world_size=P) or under torchrun.
 """
 from __future__ import annotations
@@ -51,11 +61,13 @@ import torch.nn.functional as F
 
 from echo_tp.models import load_tokens
 from echo_tp.models.tokenize import separator_id
-from echo_tp.tp import clip_grad_norm_, grad_norm, parse_comm_spec, sync_partial_grads
+from echo_tp.telemetry import Telemetry
+from echo_tp.tp import (SIM_PATHS, clip_grad_norm_, grad_norm, parse_comm_spec,
+                        sync_partial_grads)
 from echo_tp.tp.runtime import in_torchrun, launch, make_comm, rank_device
 
-from .data import TokenBatches, eval_batches
-from .log import LossLog, plot_losses
+from .data import IGNORE, TokenBatches, eval_batches
+from .log import LossLog, TelemetryLog, plot_losses
 from .model import SAVE_DTYPES, Built, build_model, is_hf_dir, model_config, save_checkpoint
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,6 +123,11 @@ class TrainOptions:
     sequence_parallel: bool = False
     """TP runs sequence-parallel (tp/sequence.py): a reduce-scatter and an all-gather at each
     block boundary instead of the all-reduce (seq_len must split over the ranks)."""
+    sim_path: str = "shards"
+    """Simulated TP: 'shards' (each block's virtual shards in turn, the reference) or 'batched'
+    (the ranks as a batch dim, tp/batched.py). Other modes ignore it."""
+    telemetry_every: int = 0
+    """Every N steps one step with the collective's telemetry on (0: never; module doc)."""
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -118,7 +135,7 @@ class TrainOptions:
                      "sync_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup", "eval_every", "save_every"):
+        for name in ("warmup", "eval_every", "save_every", "telemetry_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not self.lr > 0 or (self.min_lr is not None and not 0 <= self.min_lr <= self.lr):
@@ -130,6 +147,8 @@ class TrainOptions:
         if self.save_dtype not in SAVE_DTYPES:
             raise ValueError(f"save_dtype must be one of {sorted(SAVE_DTYPES)}, got "
                              f"{self.save_dtype!r}")
+        if self.sim_path not in SIM_PATHS:
+            raise ValueError(f"sim_path must be one of {SIM_PATHS}, got {self.sim_path!r}")
         if self.bos_id is not None and (not self.bos or self.bos_id < 0):
             raise ValueError(f"bos_id needs bos=True and an id >= 0, got {self.bos_id}")
 
@@ -171,19 +190,32 @@ def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
-def _loss(model, x, y, amp: bool, device) -> torch.Tensor:
+def _logits(model, x, amp: bool, device) -> torch.Tensor:
     with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=amp):
         logits = model(x)  # [B, T, V]
-        logits = getattr(logits, "logits", logits)  # a transformers ModelOutput
+        return getattr(logits, "logits", logits)  # a transformers ModelOutput
+
+
+def _loss(model, x, y, amp: bool, device) -> torch.Tensor:
+    logits = _logits(model, x, amp, device)
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())  # padding (-100) skipped
 
 
 @torch.no_grad()
-def evaluate(model, batches, amp: bool, device) -> float:
-    total = 0.0
+def evaluate(model, batches, amp: bool, device, rows: bool = False):
+    """The mean of the batches' mean losses; rows=True: (that mean, every row's summed NLL
+    [R] float64, its scored tokens [R] int64), on the CPU."""
+    total, nll, count = 0.0, [], []
     for x, y in batches:
-        total += float(_loss(model, x.to(device), y.to(device), amp, device))
-    return total / len(batches)
+        x, y = x.to(device), y.to(device)
+        logits = _logits(model, x, amp, device).float().flatten(0, 1)
+        total += float(F.cross_entropy(logits, y.flatten()))
+        if rows:  # ignored (padding) positions give 0
+            tok = F.cross_entropy(logits, y.flatten(), reduction="none").view(y.shape)
+            nll.append(tok.double().sum(1).cpu())
+            count.append((y != IGNORE).sum(1).cpu())
+    mean = total / len(batches)
+    return (mean, torch.cat(nll), torch.cat(count)) if rows else mean
 
 
 def _grad_norm(built: Built, clip: float) -> torch.Tensor:
@@ -195,6 +227,35 @@ def _grad_norm(built: Built, clip: float) -> torch.Tensor:
         return torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
     sync_partial_grads(built.model)
     return clip_grad_norm_(built.model, clip) if clip > 0 else grad_norm(built.model)
+
+
+def prepare_forward(built: Built, compile: bool):
+    """What a step calls: the model, or with compile torch.compile(model); a simulated model
+    on the batched path compiles its blocks' batched functions instead (tp/batched.py)."""
+    if not compile:
+        return built.model
+    tp = getattr(built.model, "echo_tp", None)
+    if built.mode == "simulated" and tp is not None and tp.sim_path == "batched":
+        tp.compile_blocks = True
+        return built.model
+    return torch.compile(built.model)
+
+
+def train_step(forward, built: Built, opt, batches, o: TrainOptions, device,
+               amp: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step at the LR already set: o.grad_accum micro-batches from batches
+    (loss / grad_accum each), the partial-grad sync and clipping, AdamW -> (mean loss fp64,
+    grad norm before clipping), both on the device (no host sync)."""
+    opt.zero_grad(set_to_none=True)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    for _ in range(o.grad_accum):
+        x, y = next(batches)
+        loss = _loss(forward, _to(x, device), _to(y, device), amp, device)
+        (loss / o.grad_accum).backward()
+        loss_sum += loss.detach().double()
+    norm = _grad_norm(built, o.clip)
+    opt.step()
+    return loss_sum / o.grad_accum, norm.detach()
 
 
 def _over_budget(o: TrainOptions, elapsed: float, built: Built, device) -> bool:
@@ -216,9 +277,9 @@ def _rank_train(rank: int | None, world_size: int, o: TrainOptions) -> dict:
     comm = None if world_size == 1 else make_comm(rank, world_size, spec.config)
     built = build_model(o.model, o.model_fields, seed=o.seed, comm=comm, rank=rank,
                         world_size=world_size, device=device, policy=spec.policy,
-                        sequence_parallel=o.sequence_parallel)
+                        sequence_parallel=o.sequence_parallel, sim_path=o.sim_path)
     model = built.model
-    forward = torch.compile(model) if o.compile else model
+    forward = prepare_forward(built, o.compile)
     opt = build_optimizer(model, o)
     ids = data_ids(o)
     tokens = load_tokens(o.train_data)
@@ -242,6 +303,7 @@ def _rank_train(rank: int | None, world_size: int, o: TrainOptions) -> dict:
              "simulated": built.mode == "simulated", **ids, "comm_config": spec.as_dict(),
              "model_config": built.config}, indent=2) + "\n")
         log = LossLog(out / "log.csv")
+    tlog = TelemetryLog(out / "telemetry.csv") if main and o.telemetry_every and comm else None
     bar = None
     if main and o.progress:
         from tqdm import tqdm
@@ -274,18 +336,18 @@ def _rank_train(rank: int | None, world_size: int, o: TrainOptions) -> dict:
         lr = lr_at(step, o)
         for group in opt.param_groups:
             group["lr"] = lr
-        opt.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        for _ in range(o.grad_accum):
-            x, y = next(batches)
-            loss = _loss(forward, _to(x, device), _to(y, device), amp, device)
-            (loss / o.grad_accum).backward()
-            loss_sum += loss.detach().double()
-        norm = _grad_norm(built, o.clip)
-        opt.step()
+        sample = comm is not None and o.telemetry_every and step % o.telemetry_every == 0
+        if sample:
+            comm.telemetry = Telemetry()        # this step's calls leave rows (module doc)
+        loss, norm = train_step(forward, built, opt, batches, o, device, amp)
+        if sample:
+            rows = comm.telemetry_summary()     # on real ranks a collective: every rank
+            comm.telemetry = None
+            if tlog is not None:
+                tlog.append(step + 1, rows)
         done = step + 1
         elapsed = time.perf_counter() - t0
-        pending.append((done, lr, loss_sum / o.grad_accum, norm.detach(), elapsed))
+        pending.append((done, lr, loss, norm, elapsed))
         if _over_budget(o, elapsed, built, device):
             stopped = "time_budget"
         last = done == o.steps or stopped != "steps"
@@ -298,7 +360,11 @@ def _rank_train(rank: int | None, world_size: int, o: TrainOptions) -> dict:
             if last:
                 t_last = time.perf_counter()
         if do_eval:
-            val_loss = evaluate(forward, val, amp, device)
+            got = evaluate(forward, val, amp, device, rows=last)
+            val_loss = got[0] if last else got
+            if last and main:
+                (out / "val_rows.json").write_text(json.dumps(
+                    {"step": done, "nll": got[1].tolist(), "tokens": got[2].tolist()}) + "\n")
             model.train()
             if log is not None:
                 log.set_val(val_loss)
@@ -337,7 +403,8 @@ def main(*, model: str, train_data: str, val_data: str | None = None, comm: str 
          save_dtype: str = "float32", compile: bool = False, sync_every: int = 10,
          out_dir: str = "runs/train", seed: int = 0, device: str | None = None,
          amp: bool | None = None, simulate: int | None = None, world_size: int | None = None,
-         progress: bool = True, sequence_parallel: bool = False) -> dict:
+         progress: bool = True, sequence_parallel: bool = False, sim_path: str = "shards",
+         telemetry_every: int = 0) -> dict:
     """Train (arguments as in TrainOptions) on simulate=P virtual ranks, world_size=P gloo
     processes or under torchrun; with none of them (or P = 1) the plain single-device model.
     Prints a summary on rank 0 and returns it ({} elsewhere)."""
@@ -349,7 +416,8 @@ def main(*, model: str, train_data: str, val_data: str | None = None, comm: str 
                      eval_batches=eval_batches, save_every=save_every, save_dtype=save_dtype,
                      compile=compile, sync_every=sync_every, out_dir=out_dir, seed=seed,
                      device=device, amp=amp, progress=progress,
-                     sequence_parallel=sequence_parallel)
+                     sequence_parallel=sequence_parallel, sim_path=sim_path,
+                     telemetry_every=telemetry_every)
     parse_comm_spec(o.comm)  # fail fast, before any process starts
     model_config(o.model, o.model_fields)
     data_ids(o)

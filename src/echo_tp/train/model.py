@@ -65,9 +65,10 @@ class Built:
 
 def build_model(spec: str, fields: tuple[str, ...], *, seed: int, comm, rank: int | None,
                 world_size: int, device: torch.device, policy,
-                sequence_parallel: bool = False) -> Built:
+                sequence_parallel: bool = False, sim_path: str = "shards") -> Built:
     """The model in train mode: plain when world_size == 1 (comm unused), else parallelized
-    (sequence-parallel if asked)."""
+    (sequence-parallel if asked; simulated ranks on sim_path, tp.parallelize; other modes
+    ignore it)."""
     mode = "plain" if world_size == 1 else ("simulated" if rank is None else "ranks")
     cfg = model_config(spec, fields)
     if cfg is None:
@@ -76,7 +77,8 @@ def build_model(spec: str, fields: tuple[str, ...], *, seed: int, comm, rank: in
         return Built(model, None, config, vocab, mode)
     model = init_weights(build_meta_model(cfg).to_empty(device=device), seed=seed).train()
     if mode != "plain":
-        parallelize(model, comm, rank, policy=policy, sequence_parallel=sequence_parallel)
+        parallelize(model, comm, rank, policy=policy, sequence_parallel=sequence_parallel,
+                    sim_path=sim_path if mode == "simulated" else "shards")
     return Built(model, cfg, dataclasses.asdict(cfg), cfg.vocab_size, mode)
 
 

@@ -1,0 +1,113 @@
+"""The training study's tools on the CPU: studies/train_schedule_report.py on fabricated runs
+whose held-out changes are known, and a dry run of benchmarks/train_speed.py on a tiny model.
+
+What is compared with what:
+- the report against the numbers the runs were made with: per-row held-out NLLs of 16-bit
+  runs (two seeds) and of configs scaled by known factors (+1.0%, +0.2%, +0.6%, and one with
+  row noise wide enough to straddle +0.5%): each change vs the same seed's 16-bit run, its
+  paired-bootstrap interval containing the true factor, the verdict ('yes' / 'no' / 'not
+  resolved'), a run stopped early marked, and the curves / telemetry PNGs written;
+- train_speed.py's dry run (P=2, tiny-qwen3, CPU): every asked variant timed with positive
+  tokens/s, the equivalence check bit for bit on the CPU (one step's logits and gradients, two
+  steps' losses), the JSON written.
+Where to look first: train_schedule_report.summarize / change_vs (pairing by seed and rows),
+then verdict; for the benchmark echo_tp.train.train_step / prepare_forward.
+"""
+import csv
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "studies"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import train_schedule_report as report  # noqa: E402
+
+ROWS, STEPS = 400, 120
+
+
+def fake_run(root: Path, comm: str, seed: int, factor: float, noise: float = 0.0,
+             steps: int = STEPS, telemetry: bool = False) -> Path:
+    d = root / f"{comm}-{factor}-s{seed}"
+    d.mkdir(parents=True)
+    g = torch.Generator().manual_seed(100 + seed)
+    tokens = torch.randint(300, 512, (ROWS,), generator=g).double()
+    base = tokens * (4.0 + 0.3 * torch.rand(ROWS, generator=g, dtype=torch.float64))
+    scale = factor + noise * torch.randn(ROWS, generator=torch.Generator().manual_seed(7 + seed),
+                                         dtype=torch.float64)
+    (d / "train_config.json").write_text(json.dumps(
+        {"comm": comm, "seed": seed, "lr": 2e-3, "steps": STEPS, "sim_path": "batched"}))
+    (d / "val_rows.json").write_text(json.dumps(
+        {"step": steps, "nll": (base * scale).tolist(), "tokens": tokens.long().tolist()}))
+    with open(d / "log.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["step", "tokens", "lr", "loss", "grad_norm", "val_loss", "elapsed_s"])
+        for s in range(1, steps + 1):
+            w.writerow([s, s, 1e-3, (5 - s / steps) * factor, 1.0,
+                        4.0 if s % 40 == 0 else "", s])
+    if telemetry:
+        with open(d / "telemetry.csv", "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["step", "pass", "direction", "site", "bits", "y_sq", "rho_norm"])
+            for s in (1, 51, 101):
+                for direction in ("forward", "backward"):
+                    for site in range(5):
+                        w.writerow([s, 0, direction, site, 4, 100.0, 0.1 * (site + 1)])
+    return d
+
+
+def test_report_numbers_and_verdicts(tmp_path):
+    runs = [fake_run(tmp_path, "16", s, 1.0) for s in (0, 1)]
+    runs += [fake_run(tmp_path, "4", s, 1.01) for s in (0, 1)]
+    good = [fake_run(tmp_path, "echo4", s, 1.002, noise=0.002, telemetry=s == 0)
+            for s in (0, 1)]
+    out = tmp_path / "report"
+    summary = report.main([*map(str, runs + good), "--out-dir", str(out)])
+    cfgs = summary["configs"]
+    assert list(cfgs) == ["16", "4", "echo4"]
+    for s in (0, 1):
+        assert cfgs["4"]["seeds"][s]["change_pct"] == pytest.approx(1.0, abs=1e-9)
+        lo, hi = cfgs["echo4"]["seeds"][s]["change_ci"]
+        assert lo < 0.2 < hi and hi - lo < 0.1            # the true change, a tight interval
+        assert cfgs["echo4"]["seeds"][s]["tail100_change_pct"] == pytest.approx(0.2)
+    assert summary["verdict"].startswith("yes")
+    assert cfgs["4"]["seed_range_pct"] == pytest.approx((1.0, 1.0))
+    table = (out / "table.md").read_text()
+    assert "| 4 | " in table and "+1.000%" in table and "within 0.5% of 16-bit: yes" in table
+    assert (out / "curves.png").stat().st_size > 5000 and (out / "telemetry.png").is_file()
+    tel = summary["telemetry"]["echo4 seed 0"]
+    assert tel["forward"]["median_rel"] == pytest.approx([0.03, 0.03])
+    assert tel["forward"]["max_rel"] == pytest.approx([0.05, 0.05])
+    assert tel["backward"]["steps"] == [1, 101]
+
+    bad = [fake_run(tmp_path / "bad", "echo4", s, 1.006) for s in (0, 1)]
+    got = report.main([*map(str, runs[:2] + bad), "--out-dir", str(tmp_path / "r2")])
+    assert got["verdict"].startswith("no")
+    wide = [fake_run(tmp_path / "wide", "echo4", 0, 1.004, noise=0.08),
+            fake_run(tmp_path / "wide", "echo4", 1, 1.004, noise=0.08, steps=STEPS - 20)]
+    got = report.main([*map(str, runs[:2] + wide), "--out-dir", str(tmp_path / "r3")])
+    assert got["verdict"].startswith("not resolved") and "stopped" in got["verdict"]
+    assert "(stopped at 100/120)" in (tmp_path / "r3" / "table.md").read_text()
+    with pytest.raises(ValueError, match="no 16-bit run"):
+        report.main([*map(str, good), "--out-dir", str(tmp_path / "r4")])
+
+
+def test_train_speed_dry_run(tmp_path):
+    import train_speed
+    out = tmp_path / "speed.json"
+    result = train_speed.main(["--device", "cpu", "--model", "tiny-qwen3", "--simulate", "2",
+                               "--batch-size", "2", "--seq-len", "16", "--warmup", "1",
+                               "--windows", "1", "--window-steps", "1", "--check-steps", "2",
+                               "--variants", "shards", "batched", "plain", "--out", str(out)])
+    assert json.loads(out.read_text())["rows"] == result["rows"]
+    assert [r["variant"] for r in result["rows"]] == ["shards", "batched", "plain"]
+    assert all(r["tokens_per_s"] > 0 and r["steps"] == 2 for r in result["rows"])
+    assert result["rows"][1]["speedup_over_shards"] > 0
+    assert result["rows"][0]["last_loss"] == result["rows"][1]["last_loss"]   # bit for bit
+    eq = result["equivalence"][0]
+    assert eq["logits_bit_identical"] and eq["grads_bit_identical"] and eq["comm"] == "echo4"
+    assert len(eq["losses"]["batched"]) == 2 and eq["max_loss_rel_diff"] == 0
