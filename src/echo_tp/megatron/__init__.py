@@ -12,15 +12,17 @@ EchoCommunicator, forward and backward, with the sites and passes of echo-tp's o
     version.py   TESTED_VERSIONS; any other megatron-core: an error on import
     enable.py    enable_echo / disable_echo: sites, passes, the recomputation guard
     context.py   MegatronContext: the TP engine's TPContext plus the forward guard
-    grads.py     sync_tp_partial_grads: megatron-core's partial-gradient rule without its DDP
+    grads.py     sync_tp_partial_grads, clip_grad_norm_: training without megatron-core's DDP
     cpu.py       run_on_cpu, CPU_CONFIG, causal_mask: megatron-core on gloo CPU ranks
 
 Covered: GPTModel from megatron-core's local spec (get_gpt_layer_local_spec), tensor
 parallelism with or without sequence_parallel, learned or rotary positions, tied or untied
-output weights, selective recomputation of core_attn / layernorm. Not covered (enable_echo
-raises): Transformer Engine layers, MoE, multi-latent attention, multi-token prediction,
-pipeline or context parallelism, recompute_granularity='full'. Never touched: the
-vocab-parallel cross entropy's reductions, gradient reductions of parameters.
+output weights, selective recomputation of core_attn (tested; layernorm allowed). Not
+covered (enable_echo raises): Transformer Engine layers, MoE, multi-latent attention,
+multi-token prediction, pipeline or context parallelism, recompute_granularity='full' (or
+selective recomputation of modules with TP collectives), the deferred output-layer weight
+gradient. Never touched: the vocab-parallel cross entropy's reductions, gradient reductions of
+parameters.
 """
 from __future__ import annotations
 
@@ -36,11 +38,12 @@ check_version(_core.__version__)
 
 from .context import MegatronContext  # noqa: E402
 from .enable import check_config, disable_echo, enable_echo  # noqa: E402
-from .grads import partial_grad_params, sync_tp_partial_grads  # noqa: E402
+from .grads import clip_grad_norm_, partial_grad_params, sync_tp_partial_grads  # noqa: E402
 from .layers import EchoColumnParallelLinear, EchoRowParallelLinear, TorchNorm  # noqa: E402
 from .spec import ECHO_MODULES, echo_block_spec, echo_layer_spec, replace_in_spec  # noqa: E402
 
 __all__ = ["enable_echo", "disable_echo", "echo_block_spec", "echo_layer_spec",
            "replace_in_spec", "ECHO_MODULES", "EchoColumnParallelLinear",
            "EchoRowParallelLinear", "TorchNorm", "MegatronContext", "check_config",
-           "sync_tp_partial_grads", "partial_grad_params", "check_version", "TESTED_VERSIONS"]
+           "sync_tp_partial_grads", "partial_grad_params", "clip_grad_norm_", "check_version",
+           "TESTED_VERSIONS"]

@@ -96,6 +96,9 @@ def check_config(config) -> None:
         "multi_latent_attention": "multi-latent attention",
         "mtp_num_layers": "multi-token prediction",
         "tp_comm_overlap": "Transformer Engine's communication overlap",
+        "defer_embedding_wgrad_compute": "the output layer's deferred weight gradient (it "
+                                         "gathers the input again with megatron-core's own "
+                                         "collective)",
     }
     for name, what in unsupported.items():
         if getattr(config, name, None):

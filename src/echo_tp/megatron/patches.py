@@ -1,13 +1,13 @@
-"""The megatron-core functions Echo replaces by name, where megatron-core offers no hook, and
-the version they are tested on.
+"""The megatron-core functions Echo replaces by name, where megatron-core offers no hook.
 
-    name replaced                                         called by                     Echo
-    tensor_parallel.layers.                               RowParallelLinear.forward,    ReduceFromTP
-      reduce_from_tensor_model_parallel_region            VocabParallelEmbedding.forward
-    tensor_parallel.layers.                               the same, sequence_parallel   ReduceScatter
-      reduce_scatter_to_sequence_parallel_region
-    tensor_parallel.scatter_to_sequence_parallel_region   LanguageModelEmbedding.forward ScatterTo-
-      (the package attribute)                             (SP, learned positions)       Sequence
+* tensor_parallel.layers.reduce_from_tensor_model_parallel_region: called by
+  RowParallelLinear.forward and VocabParallelEmbedding.forward -> tp.sites.ReduceFromTP
+  (all-reduce forward, identity backward)
+* tensor_parallel.layers.reduce_scatter_to_sequence_parallel_region: the same two under
+  sequence parallelism -> tp.sites.ReduceScatter (reduce-scatter forward, all-gather backward)
+* tensor_parallel.scatter_to_sequence_parallel_region (the package attribute): called by
+  LanguageModelEmbedding.forward under SP with learned positions -> tp.sites.ScatterToSequence
+  (this rank's shard forward, all-gather backward)
 
 The two forward methods call these functions by their module-global names, so no subclass can
 reach the collective without copying the method; each replacement runs Echo only inside an Echo
@@ -17,8 +17,10 @@ padding-mask scatter, models without Echo) therefore gets megatron-core's behavi
 The vocab-parallel cross entropy calls torch.distributed directly and is never touched.
 
 `install()` is idempotent and refuses if something else already replaced a name; `uninstall()`
-puts megatron-core's functions back. Tested on megatron-core TESTED_VERSIONS only: other
-versions get version.check_version's error on `import echo_tp.megatron`.
+puts megatron-core's functions back. Tested on the megatron-core versions of
+version.TESTED_VERSIONS only; any other gets check_version's error on `import echo_tp.megatron`.
+The other adaptations (the output layer's class, the embedding's hooks) are enable.py's; the
+CPU-only ones are cpu.py's.
 """
 from __future__ import annotations
 
