@@ -29,7 +29,7 @@ from __future__ import annotations
 try:
     import megatron.core as _core
 except ImportError as e:                      # the optional dependency
-    raise ImportError("echo_tp.megatron needs megatron-core: pip install 'echo-tp[megatron]' "
+    raise ImportError("echo_tp.megatron needs megatron-core: pip install -e \".[megatron]\" "
                       "(megatron-core==0.16.1)") from e
 
 from .version import TESTED_VERSIONS, check_version

@@ -15,4 +15,4 @@ def check_version(version: str) -> None:
             "name (echo_tp/megatron/patches.py) and relies on its layers' call signatures, so "
             "an untested version could run Megatron's collectives instead of Echo's, or none. "
             f"Install a tested one: pip install 'megatron-core=={TESTED_VERSIONS[-1]}' (or "
-            "pip install 'echo-tp[megatron]').")
+            "pip install -e '.[megatron]' in echo-tp's checkout).")
