@@ -16,7 +16,7 @@ SAFE_RECOMPUTE = ("core_attn", "layernorm", "moe_act")
 reruns no Echo site)."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, kw_only=True)
 class MegatronContext(TPContext):
     """TPContext of an Echo-enabled Megatron-core model (echo_tp.megatron.enable_echo)."""
 

@@ -55,7 +55,7 @@ SEQ_DIM = 0
 """megatron-core's activations are [s, b, h]."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, kw_only=True)
 class EchoState:
     """What enable_echo put on a model (model.echo_megatron)."""
 
@@ -158,7 +158,7 @@ def enable_echo(model, comm, *, policy=None) -> MegatronContext:
                           n_layers=n_layers, rank=dist.get_rank(tp_group),
                           sequence_parallel=bool(config.sequence_parallel) and P > 1,
                           model_name=type(gpt).__name__)
-    state = EchoState(ctx)
+    state = EchoState(ctx=ctx)
     patches.install()
     placed = set()
     for layer in layers:
@@ -187,7 +187,7 @@ def enable_echo(model, comm, *, policy=None) -> MegatronContext:
         out.echo_site = last
         state.modules.append(out)
     if gpt.pre_process:
-        scope = patches.Scope(Site(ctx, 0, dim=SEQ_DIM), batch_first=True)
+        scope = patches.Scope(site=Site(ctx, 0, dim=SEQ_DIM), batch_first=True)
         emb = gpt.embedding
         state.handles += [emb.register_forward_pre_hook(_enter_scope(state, scope)),
                           emb.register_forward_hook(_leave_scope(state), always_call=True)]

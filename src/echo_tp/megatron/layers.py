@@ -71,7 +71,7 @@ class EchoRowParallelLinear(RowParallelLinear):
             return super().forward(input_)
         site.tp.check_forward(self)
         patches.require_installed()
-        with patches.scope(patches.Scope(site)):
+        with patches.scope(patches.Scope(site=site)):
             return super().forward(input_)
 
 

@@ -46,7 +46,7 @@ _TARGETS = (
 """(module, name, megatron-core's function) of each replaced name."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Scope:
     """The site the replaced functions route to while an Echo module's forward runs."""
 
