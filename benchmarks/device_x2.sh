@@ -26,9 +26,11 @@ timeout ${BENCH_S:-240} python3 benchmarks/allreduce.py --world 2 --out $OUT --i
 echo "allreduce rc=$? in $(( $(date +%s) - T0 )) s"; grep -v "^#loc" $OUT/ar.log | grep -A 16 "^### P=2"; grep ERROR $OUT/ar.log | head -5
 fi
 # Megatron-core's GPTModel trained with Echo at TP=2 over NCCL (examples/megatron_train.py, bf16):
-# 16 vs naive 4 vs echo4, same init and batches. megatron-core is not on the machine: carry its
-# wheel in .whl/ (here: `pip download megatron-core==0.16.1 --no-deps -d .whl`), installed
-# offline. Tokens: $TOKENS (a .bin + .json from `echo-tp tokenize`), else the shipped text.
+# 16 vs naive 4 vs echo4, same init and batches. megatron-core is not on the machine (Python
+# 3.12): carry its wheel in .whl/, made here with `pip download megatron-core==0.16.1 --no-deps
+# --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl`, and it is
+# installed offline. Tokens: $TOKENS (a .bin + .json from `echo-tp tokenize`, carried), else
+# the shipped text (28k tokens: a smoke run, not a measurement).
 T0=$(date +%s)
 python3 -c "import megatron.core" 2>/dev/null || python3 -m pip install -q --no-deps --no-index \
   --find-links .whl megatron-core==0.16.1 > $OUT/megatron.log 2>&1
