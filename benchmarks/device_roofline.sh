@@ -8,7 +8,8 @@
 #   OLD_SRC=.work/old_b6e bash benchmarks/device_roofline.sh      (carry .work/old_b6e)
 # OLD_SRC is an older checkout's root (its src/ and its own benchmarks/stage_profile.py).
 # Knobs: WORLDS, CONFIGS, NEW_SHAPES, OLD_SHAPES, TESTS (0: skip the GPU tests), TEST_TIMEOUT,
-# LADDER and DECODE (0: skip those benchmarks).
+# LADDER and DECODE (0: skip those benchmarks), TEST_JOBS (pytest-xdist workers), WARM_JOBS.
+# $OUT gets at most 8 files (the device tool's limit): logs stay in /tmp.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 ECHO_FLAG_TIMEOUT_S=20
@@ -18,7 +19,8 @@ NEW_SHAPES=${NEW_SHAPES:-4096x4s4096,8192x4s4096,16384x4s4096,8192x4s2048,16384x
 OLD_SHAPES=${OLD_SHAPES:-8192x4s2048,16384x4s2048,16384x4s1024}
 T0=$(date +%s)
 if [ "${TESTS:-1}" = 1 ]; then
-  PYTHONPATH=$PWD/src timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py \
+  PYTHONPATH=$PWD/src timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider \
+    ${TEST_JOBS:+-n $TEST_JOBS} tests/test_kernels_gpu.py \
     > $OUT/pytest_kernels_gpu.txt 2>&1 &
   TESTS_PID=$!
 fi
@@ -35,11 +37,11 @@ xargs -P ${WARM_JOBS:-12} -L 1 sh -c 'PYTHONPATH=$0 timeout 400 python3 $1/stage
 echo "warm-up of $(wc -l < $jobs) variants in $(( $(date +%s) - T0 )) s"
 if [ -n "${TESTS_PID:-}" ]; then wait $TESTS_PID; echo "kernels_gpu rc=$?"; tail -3 $OUT/pytest_kernels_gpu.txt; fi
 T0=$(date +%s)
-[ "${LADDER:-1}" = 1 ] && PYTHONPATH=$PWD/src timeout 240 python3 benchmarks/entry_ladder.py --out $OUT > $OUT/ladder.log 2>&1
+[ "${LADDER:-1}" = 1 ] && PYTHONPATH=$PWD/src timeout 240 python3 benchmarks/entry_ladder.py --out $OUT > /tmp/ladder.log 2>&1
 echo "ladder rc=$? in $(( $(date +%s) - T0 )) s"
 T0=$(date +%s)
-[ "${DECODE:-1}" = 1 ] && PYTHONPATH=$PWD/src timeout 180 python3 benchmarks/decode_boundary.py --out $OUT > $OUT/decode.log 2>&1
-echo "decode_boundary rc=$? in $(( $(date +%s) - T0 )) s"; tail -25 $OUT/decode.log
+[ "${DECODE:-1}" = 1 ] && PYTHONPATH=$PWD/src timeout 180 python3 benchmarks/decode_boundary.py --out $OUT > /tmp/decode.log 2>&1
+echo "decode_boundary rc=$? in $(( $(date +%s) - T0 )) s"; tail -25 /tmp/decode.log
 for numel in 67108864 536870912; do
   for tree in new ${OLD_SRC:+old}; do
     src=$PWD/src; bench=$PWD/benchmarks; shapes=$NEW_SHAPES
@@ -47,7 +49,7 @@ for numel in 67108864 536870912; do
     T0=$(date +%s)
     PYTHONPATH=$src timeout 300 python3 $bench/stage_profile.py --numel $numel --worlds $WORLDS \
       --configs $CONFIGS --shapes $shapes --budget-s 240 --label $tree-$numel --out $OUT \
-      > $OUT/stages_$tree-$numel.log 2>&1
+      > /tmp/stages_$tree-$numel.log 2>&1
     echo "stage_profile $tree $numel rc=$? in $(( $(date +%s) - T0 )) s"
   done
 done
