@@ -42,6 +42,7 @@ class Table:
 R2 = "2026-11-29-p2p-x2-r2.md"
 R3 = "2026-11-30-p2p-x2-r3.md"
 R4 = "2026-11-30-p2p-x2-r4.md"
+R5 = "2026-12-02-kernel-roofline.md"
 
 ONESHOT_MAX_BYTES = Table(
     # P -> the largest message 'auto' sends through the 16-bit one-shot kernel
@@ -87,11 +88,12 @@ class KernelShape:
     """How the p2p kernels cut a call, by kernel form; measured at P=2 on 2 H200s."""
 
     step_elems: dict = field(default_factory=lambda: {
-        # compensated -> values a program holds in registers at once
-        False: Measured(2048, R2, "uncompensated 1.81-1.88x NCCL at 2048 vs 1.46-1.55x at 1024"),
-        True: Measured(1024, R2, "compensated at 2048 needs ~110-127 registers (half the "
-                                 "resident warps); 1024: bf16 one tensor 0.87-0.94x -> "
-                                 "1.00-1.04x NCCL")})
+        # compensated -> values a program holds in registers at once (32 a thread at 4 warps:
+        # quant_kernels' tiling)
+        False: Measured(4096, R5, "one-GPU stage floors, P=4 1 GiB: 1.23 ms at 4096 vs 1.42 at "
+                                  "2048 and 1.87 at 1024"),
+        True: Measured(4096, R5, "bf16 one tensor, P=4 1 GiB: 2.00 ms at 4096 vs 2.17 at 2048 "
+                                 "and 2.45 at 1024 (127 registers)")})
     tiles_per_segment: dict = field(default_factory=lambda: {
         # fused -> at least this many tiles (one flag, one release each) per segment
         False: Measured(2048, R3, "4-bit 1 GiB 1.62 ms at 2048-value tiles, 1.32 at 8192, "
