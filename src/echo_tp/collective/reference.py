@@ -5,7 +5,12 @@ reference backend every faster one is compared with.
 
 A collective that fails while waiting on a peer (the group's timeout ran out, a peer died)
 raises PeerWaitError naming this rank and the stage of the call it was in; groups echo-tp
-builds wait ECHO_COLLECTIVE_TIMEOUT_S, a user's group its own timeout (README).
+builds wait ECHO_COLLECTIVE_TIMEOUT_S, a user's group its own timeout (README;
+`group_wait_s` reads it where torch exposes it).
+
+With a CallLengths (the communicator's), CPU calls carry their length in-band: rows padded to a
+width class with the call's numel in a header, checked on every rank after each collective
+(collective/inband.py); CUDA tensors and transports without one send the bare rows.
 """
 from __future__ import annotations
 
@@ -13,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 from .. import envs
+from .inband import (NUM_DIGITS, OPS, CallLengthMismatch, CallLengths, Widths, byte_numels,
+                     byte_row, check_numels, float_numels, float_rows, wire_len)
 
 
 # torch >= 2.13 names them *_single; older releases only have the *_tensor forms
@@ -29,13 +36,17 @@ class DistTransport:
 
     name = "reference"
 
-    def __init__(self, group: dist.ProcessGroup | None = None):
+    def __init__(self, group: dist.ProcessGroup | None = None,
+                 lengths: CallLengths | None = None):
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: call "
                                "dist.init_process_group first (or use SimulatedCommunicator)")
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self.lengths = lengths
+        self.widths = Widths()
+        """The widest rows this group agreed on (collective/inband.py)."""
 
     def _wait(self, stage: str, collective, /, *args, **kw) -> None:
         """collective(*args, group=..., **kw), a failure re-raised with this rank and stage."""
@@ -58,17 +69,55 @@ class DistTransport:
         t[self.rank] = v
         return t
 
+    def _numel(self, t: torch.Tensor) -> int | None:
+        """The call's numel when this collective carries it in-band (a CPU tensor, a length
+        set), else None."""
+        if self.lengths is None or self.lengths.numel is None or t.is_cuda:
+            return None
+        return self.lengths.numel
+
+    def _settle(self, op: str, dtype: torch.dtype, width: int, numel: int) -> None:
+        """Agree on a row wider than any `op` sent before (a 3-integer all-gather), before any
+        rank sends it: gloo aborts on collectives whose sizes differ."""
+        if self.widths.knows(op, dtype, width):
+            return
+        got = self.all_gather_ints([OPS.index(op), width, numel], device=torch.device("cpu"),
+                                   stage=f"width agreement of the {op}")
+        if any(g != got[0] for g in got):
+            raise CallLengthMismatch([g[2] for g in got], op)
+        self.widths.add(op, dtype, width)
+
     def all_to_all(self, buf: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(buf)
-        self._wait("all-to-all of packets (QAR step 1)", dist.all_to_all_single, out,
-                   buf.contiguous())
-        return out
+        stage = "all-to-all of packets (QAR step 1)"
+        n = self._numel(buf)
+        if n is None:
+            out = torch.empty_like(buf)
+            self._wait(stage, dist.all_to_all_single, out, buf.contiguous())
+            return out
+        nb = buf.shape[-1]
+        w = wire_len(nb)
+        self._settle("all_to_all", buf.dtype, w, n)
+        wire = byte_row(buf, w, n)                          # [P(owner), w + header]
+        out = torch.empty_like(wire)                        # [P(sender), w + header]
+        self._wait(stage, dist.all_to_all_single, out, wire)
+        check_numels(byte_numels(out, w), "all_to_all")
+        return out[:, :nb].contiguous()
 
     def all_gather(self, buf: torch.Tensor) -> torch.Tensor:
-        out = torch.empty((self.world_size, *buf.shape), dtype=buf.dtype, device=buf.device)
-        self._wait("all-gather of owner codes (QAR step 3)", dist.all_gather,
-                   list(out.unbind(0)), buf.contiguous())
-        return out
+        stage = "all-gather of owner codes (QAR step 3)"
+        n = self._numel(buf)
+        if n is None:
+            out = torch.empty((self.world_size, *buf.shape), dtype=buf.dtype, device=buf.device)
+            self._wait(stage, dist.all_gather, list(out.unbind(0)), buf.contiguous())
+            return out
+        nb = buf.shape[-1]
+        w = wire_len(nb)
+        self._settle("all_gather", buf.dtype, w, n)
+        wire = byte_row(buf, w, n)                          # [w + header]
+        out = wire.new_empty(self.world_size, wire.shape[-1])
+        self._wait(stage, dist.all_gather, list(out.unbind(0)), wire)
+        check_numels(byte_numels(out, w), "all_gather")
+        return out[:, :nb].contiguous()
 
     def all_max(self, t: torch.Tensor) -> torch.Tensor:
         t = t.clone()
@@ -77,19 +126,52 @@ class DistTransport:
         return t
 
     def all_sum(self, x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
-        y = x if inplace else x.clone()
-        self._wait("plain 16-bit all-reduce", dist.all_reduce, y)
-        return y
+        stage = "plain 16-bit all-reduce"
+        n = self._numel(x)
+        if n is None:
+            y = x if inplace else x.clone()
+            self._wait(stage, dist.all_reduce, y)
+            return y
+        m, P = x.numel(), self.world_size
+        w = wire_len(m)
+        self._settle("all_sum", x.dtype, w, n)
+        wire = float_rows(x.reshape(1, m), w, n, self.rank, P)      # [1, w + P*digits]
+        self._wait(stage, dist.all_reduce, wire)
+        check_numels(float_numels(wire[0], w, P), "all_sum")
+        return wire[0, :m].view(x.shape)
 
     def sum_scatter(self, x: torch.Tensor) -> torch.Tensor:
-        out = x.new_empty(x.shape[-1] // self.world_size)
-        self._wait("plain 16-bit reduce-scatter", _REDUCE_SCATTER, out, x.contiguous())
-        return out
+        stage = "plain 16-bit reduce-scatter"
+        P = self.world_size
+        m = x.shape[-1] // P
+        n = self._numel(x)
+        if n is None:
+            out = x.new_empty(m)
+            self._wait(stage, _REDUCE_SCATTER, out, x.contiguous())
+            return out
+        w = wire_len(m)
+        self._settle("sum_scatter", x.dtype, w, n)
+        wire = float_rows(x.reshape(P, m), w, n, self.rank, P)      # [P(chunk), w + P*digits]
+        out = wire.new_empty(wire.shape[-1])
+        self._wait(stage, _REDUCE_SCATTER, out, wire.reshape(-1))
+        check_numels(float_numels(out, w, P), "sum_scatter")
+        return out[:m]
 
     def gather_cat(self, x: torch.Tensor) -> torch.Tensor:
-        out = x.new_empty(x.shape[-1] * self.world_size)
-        self._wait("plain 16-bit all-gather", _ALL_GATHER, out, x.contiguous())
-        return out
+        stage = "plain 16-bit all-gather"
+        P, m = self.world_size, x.shape[-1]
+        n = self._numel(x)
+        if n is None:
+            out = x.new_empty(m * P)
+            self._wait(stage, _ALL_GATHER, out, x.contiguous())
+            return out
+        w = wire_len(m)
+        self._settle("gather_cat", x.dtype, w, n)
+        wire = float_rows(x.reshape(1, m), w, n, 0, 1)              # [1, w + digits]
+        out = wire.new_empty(P, w + NUM_DIGITS)
+        self._wait(stage, _ALL_GATHER, out.reshape(-1), wire.reshape(-1))
+        check_numels([float_numels(row, w, 1)[0] for row in out], "gather_cat")
+        return out[:, :m].reshape(P * m)
 
     def all_gather_ints(self, values: list[int], *, device, stage: str) -> list[tuple]:
         """A few integers from every rank: [(rank 0's), (rank 1's), ...]."""
@@ -97,3 +179,15 @@ class DistTransport:
         out = torch.empty((self.world_size, len(values)), dtype=torch.int64, device=device)
         self._wait(stage, dist.all_gather, list(out.unbind(0)), t)
         return [tuple(row) for row in out.tolist()]
+
+
+def group_wait_s(group: dist.ProcessGroup | None = None) -> float | None:
+    """How long the group's collectives wait on a peer, in seconds, where torch exposes it (the
+    backend's options._timeout, gloo and NCCL); None where it does not."""
+    try:
+        pg = group if group is not None else dist.group.WORLD
+        device = torch.device("cuda" if dist.get_backend(group) == "nccl" else "cpu")
+        timeout = pg._get_backend(device).options._timeout
+        return float(timeout.total_seconds())
+    except (AttributeError, RuntimeError, ValueError, TypeError):
+        return None
