@@ -22,17 +22,18 @@ Defined answers (issues 15, 28):
   is checked once per communicator with one small all-gather of 6 integers (the numel of that
   first call among them), then remembered: ranks that disagree get a ValueError on every rank
   before any packet moves. The numel, which a server changes with every prefill length and
-  batch size, is checked without a collective of its own on CPU calls: the reference transport
-  carries it in-band (collective/inband.py), so ranks whose numels differ get the same
+  batch size, is checked without a collective of its own on quantized CPU calls: the reference
+  transport carries it in-band (collective/inband.py), so ranks whose numels differ get the same
   ValueError on every rank after the first collective of the call, before anything is
   returned; a call whose rows are wider than any before pays one 3-integer agreement. CUDA
-  calls check each new (fixed part, numel) once (reading an in-band header would
-  be a host sync per call), remembering at most MAX_CHECKED of them. ECHO_DEBUG_CHECKS=1
+  calls and 16-bit calls check each new (fixed part, numel) once (on CUDA reading an in-band
+  header would be a host sync per call; the 16-bit calls are torch's own collectives, bit for
+  bit), remembering at most MAX_CHECKED of them. ECHO_DEBUG_CHECKS=1
   checks the whole signature on every call (the default cannot tell when a rank repeats a
   remembered signature while a peer makes a new one, or when two ranks' numels fall in
   different width classes, both no wider than rows sent before: gloo then aborts).
-* Zero-size inputs return zero-size outputs of their shape, and take part in the checks (on
-  CPU they run the collectives with empty rows, so their length is compared too).
+* Zero-size inputs return zero-size outputs of their shape, and take part in the checks (a
+  quantized CPU call runs its collectives with empty packets, so its length is compared too).
 * A group of one returns its input exactly (a copy, or x itself with inplace=True).
 * One communicator serves one thread: a second thread entering a collective while another is
   inside raises RuntimeError, and the communicator refuses every later call (the two calls'
@@ -70,8 +71,8 @@ KINDS = ("all_reduce", "reduce_scatter", "all_gather")
 MAX_STREAMS = 16
 """Compensator state streams (distinct tensor sizes) one direction keeps; the oldest beyond."""
 MAX_CHECKED = 4096
-"""Exact call signatures (CUDA calls) one communicator remembers; the least recently used
-beyond (it is checked again when it comes back: every rank forgets the same one)."""
+"""Exact call signatures (CUDA and 16-bit calls) one communicator remembers; the least recently
+used beyond (it is checked again when it comes back: every rank forgets the same one)."""
 
 
 class EchoCommunicator:
@@ -351,12 +352,14 @@ class EchoCommunicator:
     def _check_call(self, flat: torch.Tensor, cfg: EchoConfig, direction: str,
                     kind: str) -> bool:
         """Every rank makes this call with the same signature (module docstring): a ValueError
-        on every rank otherwise. Returns whether the call's numel is checked in-band (a CPU
-        call with a transport that carries it), the rest of its signature checked here once;
+        on every rank otherwise. Returns whether the call's numel is checked in-band (a
+        quantized CPU call with a transport that carries it), the rest of its signature checked
+        here once;
         else the whole signature is checked here once (every call under ECHO_DEBUG_CHECKS=1)."""
         sig = (KINDS.index(kind), flat.shape[-1], DTYPES.index(flat.dtype), cfg.bits,
                DIRECTIONS.index(direction), int(flat.is_cuda))
-        inband = self._lengths is not None and not flat.is_cuda and not self._debug_checks
+        inband = (self._lengths is not None and cfg.quantized and not flat.is_cuda
+                  and not self._debug_checks)
         if inband:
             key = sig[:1] + sig[2:]                       # without the numel
             if key in self._agreed:

@@ -1,31 +1,32 @@
-"""A call's length, carried in-band by the reference transport on CPU tensors (gloo).
+"""A quantized call's length, carried in-band by the reference transport on CPU tensors (gloo).
 
 Ranks must make the same calls. A call's fixed part (collective, dtype, bits, direction,
 device) is agreed once per communicator (communicator._check_call); its length, the numel that
 changes with every prefill length and decode batch size of a server, travels with the data
 instead of costing a collective and a host read per new length:
 
-  * every size-dependent collective of the call sends rows padded to a width class (`wire_len`:
-    8 classes per octave, so at most 1/8 more bytes, and at least FLOOR), with the call's numel
-    in a header: the last HEADER_BYTES bytes of a byte row (the packets of the quantized
-    collectives); for a float row (the 16-bit sum, reduce-scatter, all-gather) NUM_DIGITS
-    base-16 digits, in a block per rank written only by that rank, so a sum keeps every rank's
-    digits exact in fp32, fp16 and bf16 alike;
+  * the packet collectives of the call (the all-to-all and the all-gather of qar.py and
+    sharded.py) send rows padded to a width class (`wire_len`: 8 classes per octave, so at most
+    1/8 more bytes, and at least FLOOR bytes) that end in a header: the call's numel in
+    HEADER_BYTES bytes. The padding never reaches the decoder (the rows are cut back to their
+    packets), so the results are bit for bit those of bare rows;
   * a row wider than any the group has sent in that collective (and dtype) is agreed first (one
     3-integer all-gather: collective, width, numel) and its width remembered (`Widths`: one
-    number per collective and dtype): gloo aborts the process when a collective's sizes differ
+    number per collective): gloo aborts the process when a collective's sizes differ
     across ranks, so the ranks settle a new widest row before they send it. A server that has
     met its longest length pays no agreement again;
   * after the collective every rank holds every rank's numel (an all-to-all and an all-gather
-    deliver every sender's header, a sum every rank's digits), and ranks that differ raise
-    CallLengthMismatch on every rank, before anything is returned.
+    deliver every sender's header), and ranks that differ raise CallLengthMismatch on every
+    rank, before anything is returned.
 
 The agreed widths are the same on every rank (each is set by a collective that all ranks
 ran), so ranks with the same numel always take the same branch. What stays unchecked by
 default: ranks whose numels fall in different width classes, both no wider than an agreed row
 (they send rows of different widths: gloo aborts the process, and run_ranks names the dead rank
 and its signal); ECHO_DEBUG_CHECKS=1 agrees on every call before it sends. CUDA tensors (NCCL,
-p2p) keep the exact agreement per numel: reading a header there would be a host sync per call.
+p2p) keep the exact agreement per numel (reading a header there would be a host sync per call),
+and so do the plain 16-bit collectives (a wider buffer would change gloo's summation order at
+P >= 3, and bits=16 is bit for bit torch's own collective).
 """
 from __future__ import annotations
 
@@ -34,13 +35,11 @@ from dataclasses import dataclass
 import torch
 
 FLOOR = 256
-"""The narrowest wire row (bytes of a byte row, elements of a float row)."""
+"""The narrowest wire row, in bytes."""
 HEADER_BYTES = 8
-"""A byte row's header: the call's numel as one little-endian int64."""
-NUM_DIGITS = 12
-"""Base-16 digits of a float row's header: numels below 2^48."""
-OPS = ("all_to_all", "all_gather", "all_sum", "sum_scatter", "gather_cat")
-"""The size-dependent collectives of the reference transport (codes in the agreement)."""
+"""A row's header: the call's numel as one int64."""
+OPS = ("all_to_all", "all_gather")
+"""The packet collectives of the reference transport (their codes in the agreement)."""
 
 
 class CallLengthMismatch(ValueError):
@@ -62,23 +61,23 @@ class CallLengths:
 
 
 class Widths:
-    """The widest row the group agreed on, per (collective, wire dtype): one number each."""
+    """The widest row the group agreed on, per collective: one number each."""
 
     def __init__(self):
-        self._widest: dict[tuple, int] = {}
+        self._widest: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._widest)
 
-    def knows(self, op: str, dtype: torch.dtype, width: int) -> bool:
-        return width <= self._widest.get((op, dtype), -1)
+    def knows(self, op: str, width: int) -> bool:
+        return width <= self._widest.get(op, -1)
 
-    def add(self, op: str, dtype: torch.dtype, width: int) -> None:
-        self._widest[(op, dtype)] = max(width, self._widest.get((op, dtype), -1))
+    def add(self, op: str, width: int) -> None:
+        self._widest[op] = max(width, self._widest.get(op, -1))
 
 
 def wire_len(w: int) -> int:
-    """The width class of a row of w units: FLOOR, or w rounded up to 4 significant bits."""
+    """The width class of a row of w bytes: FLOOR, or w rounded up to 4 significant bits."""
     if w <= FLOOR:
         return FLOOR
     k = (w - 1).bit_length() - 4           # w / 2^k in (8, 16]
@@ -98,22 +97,6 @@ def byte_numels(rows: torch.Tensor, width: int) -> list[int]:
     return rows[:, width:].contiguous().view(torch.int64).reshape(-1).tolist()
 
 
-def float_rows(x: torch.Tensor, width: int, numel: int, rank: int, blocks: int) -> torch.Tensor:
-    """x [R, m] -> [R, width + blocks*NUM_DIGITS] in x's dtype: x, zeros, and numel's digits in
-    header block `rank` of every row (the other blocks zero: other ranks' places)."""
-    out = x.new_zeros(x.shape[0], width + blocks * NUM_DIGITS)
-    out[:, :x.shape[1]] = x
-    a = width + rank * NUM_DIGITS
-    out[:, a:a + NUM_DIGITS] = _digits(numel).to(x.dtype)
-    return out
-
-
-def float_numels(row: torch.Tensor, width: int, blocks: int) -> list[int]:
-    """One received row [width + blocks*NUM_DIGITS] -> the numel in each header block."""
-    d = row[width:].to(torch.float64).reshape(blocks, NUM_DIGITS)
-    return [int(v) for v in (d * (16.0 ** torch.arange(NUM_DIGITS, dtype=torch.float64))).sum(1)]
-
-
 def check_numels(numels: list[int], op: str) -> None:
     if any(n != numels[0] for n in numels):
         raise CallLengthMismatch(numels, op)
@@ -121,9 +104,3 @@ def check_numels(numels: list[int], op: str) -> None:
 
 def _int64_bytes(n: int) -> torch.Tensor:
     return torch.tensor([n], dtype=torch.int64).view(torch.uint8)
-
-
-def _digits(n: int) -> torch.Tensor:
-    if not 0 <= n < 16 ** NUM_DIGITS:
-        raise ValueError(f"a call of {n} values is outside the in-band header's range")
-    return torch.tensor([(n >> (4 * i)) & 15 for i in range(NUM_DIGITS)], dtype=torch.float32)

@@ -8,9 +8,10 @@ raises PeerWaitError naming this rank and the stage of the call it was in; group
 builds wait ECHO_COLLECTIVE_TIMEOUT_S, a user's group its own timeout (README;
 `group_wait_s` reads it where torch exposes it).
 
-With a CallLengths (the communicator's), CPU calls carry their length in-band: rows padded to a
-width class with the call's numel in a header, checked on every rank after each collective
-(collective/inband.py); CUDA tensors and transports without one send the bare rows.
+With a CallLengths (the communicator's), quantized CPU calls carry their length in-band: packet
+rows padded to a width class with the call's numel in a header, checked on every rank after each
+collective (collective/inband.py); CUDA tensors, the plain 16-bit collectives (bit for bit
+torch's own) and transports without one send the bare rows.
 """
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from .. import envs
-from .inband import (NUM_DIGITS, OPS, CallLengthMismatch, CallLengths, Widths, byte_numels,
-                     byte_row, check_numels, float_numels, float_rows, wire_len)
+from .inband import (OPS, CallLengthMismatch, CallLengths, Widths, byte_numels, byte_row,
+                     check_numels, wire_len)
 
 
 # torch >= 2.13 names them *_single; older releases only have the *_tensor forms
@@ -76,16 +77,16 @@ class DistTransport:
             return None
         return self.lengths.numel
 
-    def _settle(self, op: str, dtype: torch.dtype, width: int, numel: int) -> None:
+    def _settle(self, op: str, width: int, numel: int) -> None:
         """Agree on a row wider than any `op` sent before (a 3-integer all-gather), before any
         rank sends it: gloo aborts on collectives whose sizes differ."""
-        if self.widths.knows(op, dtype, width):
+        if self.widths.knows(op, width):
             return
         got = self.all_gather_ints([OPS.index(op), width, numel], device=torch.device("cpu"),
                                    stage=f"width agreement of the {op}")
         if any(g != got[0] for g in got):
             raise CallLengthMismatch([g[2] for g in got], op)
-        self.widths.add(op, dtype, width)
+        self.widths.add(op, width)
 
     def all_to_all(self, buf: torch.Tensor) -> torch.Tensor:
         stage = "all-to-all of packets (QAR step 1)"
@@ -96,7 +97,7 @@ class DistTransport:
             return out
         nb = buf.shape[-1]
         w = wire_len(nb)
-        self._settle("all_to_all", buf.dtype, w, n)
+        self._settle("all_to_all", w, n)
         wire = byte_row(buf, w, n)                          # [P(owner), w + header]
         out = torch.empty_like(wire)                        # [P(sender), w + header]
         self._wait(stage, dist.all_to_all_single, out, wire)
@@ -112,7 +113,7 @@ class DistTransport:
             return out
         nb = buf.shape[-1]
         w = wire_len(nb)
-        self._settle("all_gather", buf.dtype, w, n)
+        self._settle("all_gather", w, n)
         wire = byte_row(buf, w, n)                          # [w + header]
         out = wire.new_empty(self.world_size, wire.shape[-1])
         self._wait(stage, dist.all_gather, list(out.unbind(0)), wire)
@@ -126,52 +127,19 @@ class DistTransport:
         return t
 
     def all_sum(self, x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
-        stage = "plain 16-bit all-reduce"
-        n = self._numel(x)
-        if n is None:
-            y = x if inplace else x.clone()
-            self._wait(stage, dist.all_reduce, y)
-            return y
-        m, P = x.numel(), self.world_size
-        w = wire_len(m)
-        self._settle("all_sum", x.dtype, w, n)
-        wire = float_rows(x.reshape(1, m), w, n, self.rank, P)      # [1, w + P*digits]
-        self._wait(stage, dist.all_reduce, wire)
-        check_numels(float_numels(wire[0], w, P), "all_sum")
-        return wire[0, :m].view(x.shape)
+        y = x if inplace else x.clone()
+        self._wait("plain 16-bit all-reduce", dist.all_reduce, y)
+        return y
 
     def sum_scatter(self, x: torch.Tensor) -> torch.Tensor:
-        stage = "plain 16-bit reduce-scatter"
-        P = self.world_size
-        m = x.shape[-1] // P
-        n = self._numel(x)
-        if n is None:
-            out = x.new_empty(m)
-            self._wait(stage, _REDUCE_SCATTER, out, x.contiguous())
-            return out
-        w = wire_len(m)
-        self._settle("sum_scatter", x.dtype, w, n)
-        wire = float_rows(x.reshape(P, m), w, n, self.rank, P)      # [P(chunk), w + P*digits]
-        out = wire.new_empty(wire.shape[-1])
-        self._wait(stage, _REDUCE_SCATTER, out, wire.reshape(-1))
-        check_numels(float_numels(out, w, P), "sum_scatter")
-        return out[:m]
+        out = x.new_empty(x.shape[-1] // self.world_size)
+        self._wait("plain 16-bit reduce-scatter", _REDUCE_SCATTER, out, x.contiguous())
+        return out
 
     def gather_cat(self, x: torch.Tensor) -> torch.Tensor:
-        stage = "plain 16-bit all-gather"
-        P, m = self.world_size, x.shape[-1]
-        n = self._numel(x)
-        if n is None:
-            out = x.new_empty(m * P)
-            self._wait(stage, _ALL_GATHER, out, x.contiguous())
-            return out
-        w = wire_len(m)
-        self._settle("gather_cat", x.dtype, w, n)
-        wire = float_rows(x.reshape(1, m), w, n, 0, 1)              # [1, w + digits]
-        out = wire.new_empty(P, w + NUM_DIGITS)
-        self._wait(stage, _ALL_GATHER, out.reshape(-1), wire.reshape(-1))
-        check_numels([float_numels(row, w, 1)[0] for row in out], "gather_cat")
-        return out[:, :m].reshape(P * m)
+        out = x.new_empty(x.shape[-1] * self.world_size)
+        self._wait("plain 16-bit all-gather", _ALL_GATHER, out, x.contiguous())
+        return out
 
     def all_gather_ints(self, values: list[int], *, device, stage: str) -> list[tuple]:
         """A few integers from every rank: [(rank 0's), (rank 1's), ...]."""

@@ -38,6 +38,7 @@ configs differently (studies/kl_probe.py, docs/results/2026-12-01-fidelity-testb
 """
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import os
@@ -544,13 +545,23 @@ def main(*, model: str, data: str, comms: list[str], context: int = 1024,
 
 def check_data(data: str, what: str) -> None:
     """ValueError naming `what` unless data is a token file (.bin and its sidecar, sizes
-    consistent) or a readable text file: checked before the model is built."""
+    consistent) or a UTF-8 text file (read through once): checked before the model is built."""
     if Path(data).suffix == ".bin":
         check_token_file(data, what)
+    elif Path(data).is_dir():
+        raise ValueError(f"{what} {data} is a directory; name a token file or a text file")
     elif not Path(data).is_file():
-        raise ValueError(f"{what} {data}: no such file")
-    elif not os.access(data, os.R_OK):
-        raise ValueError(f"{what} {data}: the file cannot be read (permissions)")
+        raise ValueError(f"{what} {data}: the file does not exist")
+    else:
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        try:
+            with open(data, "rb") as f:
+                while chunk := f.read(1 << 24):
+                    decoder.decode(chunk)
+            decoder.decode(b"", final=True)
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{what} {data} is not UTF-8 text ({e}); pass a token file (.bin) "
+                             "or a UTF-8 text file") from None
 
 
 def _world() -> int:

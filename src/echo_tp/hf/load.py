@@ -28,9 +28,10 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
-from echo_tp.models.checkpoint import INDEX_FILE, check_shape, open_shard, shard_files
+from echo_tp.models.checkpoint import INDEX_FILE, check_shape, shard_errors, shard_files
 
 from .parallelize import parallelize_hf
 from .plan import text_config
@@ -50,6 +51,7 @@ def load_hf_tp(path: str | Path, comm, rank: int | None = None, *,
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     parallelize_hf(model, comm, rank, policy=policy, sequence_parallel=sequence_parallel)
     files = _key_files(path)
+    _check_layer_count(model, files)
     real = _real_names(model)
     fields = text_config(model).to_dict()
     loaded: dict[int, nn.Parameter] = {}  # id(meta parameter) -> loaded (ties stay ties)
@@ -89,10 +91,11 @@ def _open(f: Path):
     every row-parallel weight (docs/results/2026-12-01-hf-load-memory.md, a 168 MiB checkpoint
     at P=4: 138-143 MiB peak per rank with mmap, 68 MiB with pread, for 60 MiB of parameters;
     from_pretrained 169 MiB). pread copies only the requested bytes into the rank's tensor."""
-    try:
-        return open_shard(f, backend="pread")
-    except TypeError:  # safetensors < 0.8: no backend argument
-        return open_shard(f)
+    with shard_errors(f):
+        try:
+            return safe_open(str(f), framework="pt", device="cpu", backend="pread")
+        except TypeError:  # safetensors < 0.8: no backend argument
+            return safe_open(str(f), framework="pt", device="cpu")
 
 
 def _key_files(path: Path) -> dict[str, Path]:
@@ -103,9 +106,24 @@ def _key_files(path: Path) -> dict[str, Path]:
         return {k: path / f for k, f in weight_map.items()}
     out = {}
     for f in shard_files(path):
-        with open_shard(f) as h:
+        with shard_errors(f), safe_open(str(f), framework="pt", device="cpu") as h:
             out.update({k: f for k in h.keys()})
     return out
+
+
+def _check_layer_count(model: nn.Module, files: dict[str, Path]) -> None:
+    """ValueError when the checkpoint holds decoder layers past config.json's count (they
+    would be left out silently: every tensor the model has is found, the extra ones unread)."""
+    prefix = f"{model.base_model_prefix}.layers."
+    n = len(model.base_model.layers)
+    extra = sorted({int(k[len(prefix):].split(".")[0]) for k in files
+                    if k.startswith(prefix) and k[len(prefix):].split(".")[0].isdigit()}
+                   - set(range(n)))
+    if extra:
+        raise ValueError(f"the checkpoint holds {len(extra)} decoder layer(s) past "
+                         f"config.json's num_hidden_layers = {n} (the first: {prefix}"
+                         f"{extra[0]}): config.json and the weights disagree; fix the config or "
+                         "use the weights it belongs to")
 
 
 def _real_names(model: nn.Module) -> dict[str, tuple[int, str]]:

@@ -15,6 +15,7 @@ the wrong weights without any error, and a wider one fails inside safetensors' s
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -46,9 +47,16 @@ DIM_FIELDS = {
 
 def open_shard(file: Path, **kw):
     """safe_open(file, framework='pt', device='cpu', **kw); ValueError naming the file when it is
-    missing, truncated or not a safetensors file."""
-    try:
+    missing, truncated or not a safetensors file (shard_errors)."""
+    with shard_errors(file):
         return safe_open(str(file), framework="pt", device="cpu", **kw)
+
+
+@contextlib.contextmanager
+def shard_errors(file: Path):
+    """safetensors' and the OS's errors of opening `file` as a ValueError naming it."""
+    try:
+        yield
     except SafetensorError as e:
         raise ValueError(f"checkpoint file {file} is truncated or corrupt ({e}); save or "
                          "download it again") from None

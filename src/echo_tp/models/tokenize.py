@@ -257,7 +257,8 @@ def write_tokens(tokens: np.ndarray, out_path: str | Path, *, vocab_size: int, m
         raise ValueError(f"token ids outside [0, {vocab_size}) cannot be stored")
     with writing(out_path):
         out_path.parent.mkdir(parents=True, exist_ok=True)
-        tokens.astype(dtype).tofile(out_path)
+        with open(out_path, "wb") as f:   # (ndarray.tofile ignores a failed final flush)
+            f.write(np.ascontiguousarray(tokens, dtype=dtype.newbyteorder("<")).data)
     info = {"dtype": dtype.name, "byteorder": "little", "n_tokens": int(tokens.size),
             "vocab_size": vocab_size, **meta}
     with writing(sidecar_path(out_path)):
@@ -295,8 +296,8 @@ def check_token_file(path: str | Path, what: str) -> None:
     alone: before a long run starts)."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"{what} {path}: no such token file" + (" (a directory)"
-                                                                  if path.is_dir() else ""))
+        raise ValueError(f"{what} {path} is a directory, not a token file" if path.is_dir()
+                         else f"{what} {path}: the token file does not exist")
     try:
         info = _read_json(sidecar_path(path))
     except ValueError as e:
