@@ -6,12 +6,15 @@ length check, collective/inband.py), on gloo.
 
 --lengths N, serving: partials [tokens, --hidden] for N distinct token counts (1..N, in a seeded
 random order, as prefill lengths arrive), one call each in a forward pass of its own: pass "new";
-then the same N calls again: pass "seen", the steady state where every length was met before. Per config and pass, on rank 0:
-wall seconds, median and mean ms per call, `checks` = the agreement collectives the calls ran
+then the same N calls again: pass "seen", the steady state where every length was met before.
+Per config and pass, on rank 0: wall seconds, median and mean ms per call, `checks` = the agreement collectives the calls ran
 (all-gathers of int64 values: signature and width agreements, each also a host read; counted by
 wrapping torch.distributed.all_gather) and `kept` = what the communicator remembers after the pass
 (its signature and width caches). The per-new-length cost is (new - seen) / N. Run it with
 PYTHONPATH=<another tree>/src to measure that tree (main's, for before / after on one machine).
+--paired adds the steady-state price of the in-band length (padded rows + header): each call on
+an in-band communicator and on one sending bare rows (its exact checks remembered: what a seen
+length costs on main), alternating, so that both meet the same load on a shared host.
 
 --numel, per size: lookup_us (one steady-state check: a cache lookup), call_us (one 4-bit call),
 checked_us (one call that runs the agreement: ECHO_DEBUG_CHECKS=1) and their difference.
@@ -57,7 +60,7 @@ def _kept(comm) -> dict:
     return out
 
 
-def _serve(rank, world_size, lengths, hidden, configs, seed):
+def _serve(rank, world_size, lengths, hidden, configs, seed, paired):
     from echo_tp import EchoCommunicator, EchoConfig
     counter = _Counter()
     order = list(range(1, lengths + 1))
@@ -82,8 +85,35 @@ def _serve(rank, world_size, lengths, hidden, configs, seed):
                          "median_ms": statistics.median(times),
                          "mean_ms": statistics.fmean(times), "checks": counter.count,
                          "kept": _kept(comm)})
+        if paired and comm.config.quantized and getattr(comm, "_lengths", None) is not None:
+            rows.append(_paired(comm, EchoCommunicator.from_group(None, comm.config), xs, name))
         comm.close()
     return rows
+
+
+def _paired(inband, exact, xs, name: str) -> dict:
+    """The steady-state price of the in-band length (padded rows + header): every length seen,
+    each call made on `inband` and on `exact` (the same calls with bare rows: this tree's exact
+    check, remembered), in alternating order, so both meet the same load."""
+    exact._lengths = None
+    for x in xs:                                   # every exact signature remembered first
+        exact.new_pass("forward")
+        exact.all_reduce(x)
+    t = {"inband": [], "exact": []}
+    for i, x in enumerate(xs):
+        for which in (("inband", "exact") if i % 2 else ("exact", "inband")):
+            comm = inband if which == "inband" else exact
+            dist.barrier()
+            t0 = time.perf_counter()
+            comm.new_pass("forward")
+            comm.all_reduce(x)
+            t[which].append((time.perf_counter() - t0) * 1e3)
+    diff = [a - b for a, b in zip(t["inband"], t["exact"])]
+    return {"config": name, "pass": "paired", "calls": len(xs),
+            "inband_median_ms": statistics.median(t["inband"]),
+            "exact_median_ms": statistics.median(t["exact"]),
+            "median_diff_ms": statistics.median(diff),
+            "sum_ratio": sum(t["inband"]) / sum(t["exact"])}
 
 
 def _sizes(rank, world_size, sizes, iters):
@@ -114,6 +144,8 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=64, help="serving: values per token")
     p.add_argument("--configs", nargs="+", default=["echo4", "16"], help="serving: presets")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--paired", action="store_true", help="serving: also the steady-state price "
+                   "of the in-band length, paired call by call against bare rows (this tree)")
     p.add_argument("--numel", type=int, nargs="+", default=[1024, 65536, 1 << 20])
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--out", default=None)
@@ -123,9 +155,14 @@ def main() -> None:
     record = {"world": a.world, "machine": platform.node(), "processor": platform.processor(),
               "torch": torch.__version__, "echo_tp": str(echo_tp.__file__)}
     if a.lengths:
-        rows = run_ranks(a.world, _serve, a.lengths, a.hidden, a.configs, a.seed,
+        rows = run_ranks(a.world, _serve, a.lengths, a.hidden, a.configs, a.seed, a.paired,
                          timeout=3600.0)[0]
         for r in rows:
+            if r["pass"] == "paired":
+                print(f"{r['config']:>6} paired: in-band {r['inband_median_ms']:7.3f} ms, bare "
+                      f"rows {r['exact_median_ms']:7.3f} ms (medians), median difference "
+                      f"{r['median_diff_ms']:+.3f} ms, total ratio {r['sum_ratio']:.3f}")
+                continue
             print(f"{r['config']:>6} {r['pass']:>4}: {r['calls']} calls {r['seconds']:7.2f} s  "
                   f"median {r['median_ms']:7.3f} ms  mean {r['mean_ms']:7.3f} ms  "
                   f"checks {r['checks']:5d}  kept {r['kept']}")

@@ -7,9 +7,10 @@ Used by the demo, the CLI's CPU paths, the tests and the GPU benchmarks (backend
 must be importable (module level).
 Every outcome ends in bounded time with a name: the first rank that fails (or dies) is reported
 at once and the others are stopped (a rank that died, with its exit code or signal, is named
-before the peers that then failed waiting on it); ranks still running after `timeout` seconds are stopped and
-named; an interrupt of the parent (Ctrl-C, SIGINT) stops every rank before it propagates. Inside
-the ranks every collective waits at most ECHO_COLLECTIVE_TIMEOUT_S on a peer (group_timeout).
+before the peers that then failed waiting on it); ranks still running after `timeout` seconds
+are stopped and named; an interrupt of the parent (Ctrl-C, SIGINT) stops every rank before it
+propagates. Inside the ranks every collective waits at most ECHO_COLLECTIVE_TIMEOUT_S on a peer
+(group_timeout).
 """
 from __future__ import annotations
 

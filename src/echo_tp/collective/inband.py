@@ -85,22 +85,21 @@ def wire_len(w: int) -> int:
 
 
 def byte_row(buf: torch.Tensor, width: int, numel: int) -> torch.Tensor:
-    """uint8 [..., nb] -> [..., width + HEADER_BYTES]: buf, zeros, then numel's header."""
-    out = buf.new_zeros(*buf.shape[:-1], width + HEADER_BYTES)
-    out[..., :buf.shape[-1]] = buf
-    out[..., width:] = _int64_bytes(numel)
+    """uint8 [..., nb] -> [..., width + HEADER_BYTES]: buf, zeros, then numel's header (width
+    is a class of wire_len: a multiple of 8, so the header is an aligned int64)."""
+    nb = buf.shape[-1]
+    out = buf.new_empty(*buf.shape[:-1], width + HEADER_BYTES)
+    out[..., :nb] = buf
+    out[..., nb:width] = 0
+    out[..., width:].view(torch.int64).fill_(numel)
     return out
 
 
 def byte_numels(rows: torch.Tensor, width: int) -> list[int]:
     """[P, width + HEADER_BYTES] received rows -> each sender's numel."""
-    return rows[:, width:].contiguous().view(torch.int64).reshape(-1).tolist()
+    return rows[:, width:].view(torch.int64).reshape(-1).tolist()
 
 
 def check_numels(numels: list[int], op: str) -> None:
     if any(n != numels[0] for n in numels):
         raise CallLengthMismatch(numels, op)
-
-
-def _int64_bytes(n: int) -> torch.Tensor:
-    return torch.tensor([n], dtype=torch.int64).view(torch.uint8)
