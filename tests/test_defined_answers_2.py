@@ -14,9 +14,11 @@ Compared:
     runs (main: one per new length; now a handful for the first pass, none for the second),
     what the communicator keeps, and y bit for bit against SimulatedCommunicator on the same
     inputs (the in-band padding changes no value), a chunked call and the halves included;
-  * ranks whose numels differ after both used that width: the in-band header makes it a
-    ValueError on both ranks naming both calls (4 and 8 bits, both directions, both halves),
-    and the communicator is usable after; the 16-bit calls' exact cache is bounded (LRU);
+  * ranks whose numels differ after both used that width (one numel new to its rank, or both
+    made by both before: a silent wrong sum on main): the in-band header makes it a ValueError
+    on both ranks naming both calls, with no collective of its own (4 and 8 bits, both
+    directions, both halves), and the communicator is usable after; the 16-bit calls' exact
+    cache is bounded (LRU);
   * from_group on a group that waits torch's default 30 minutes logs one warning (and none for
     a bounded group), and every README example builds its group with a timeout.
 Where to look first: launch.py (_failure, _dead) for the dead rank; communicator.py
@@ -198,6 +200,10 @@ def _gloo_worker(rank, world_size):
             before = counted["n"]
             cases.append(((bits, kind, "forward"), _expect_error(lambda: getattr(comm, kind)(
                 torch.ones(rows[rank], 64))), counted["n"] - before))
+        comm.all_reduce(torch.ones(1000))                  # now both ranks have made both calls
+        before = counted["n"]
+        cases.append(((bits, "all_reduce", "both seen"), _expect_error(lambda: comm.all_reduce(
+            torch.ones(1024 if rank == 0 else 1000))), counted["n"] - before))
         cases.append(((bits, "all_reduce", "both new"), _expect_error(
             lambda: comm.all_reduce(torch.ones(4096 if rank == 0 else 8192))), None))
         cases.append(((bits, "usable after"), comm.all_reduce(torch.ones(1024)), None))

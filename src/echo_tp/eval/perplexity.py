@@ -494,17 +494,8 @@ def main(*, model: str, data: str, comms: list[str], context: int = 1024,
     if out:
         check_file_target(out, "--out")
     which = model_impl(model, impl)
-    if Path(model).is_dir():
-        check_shards(model)            # every shard opens: a truncated one is named here
-    check_data(data, "--data")
-    if calibration_data:
-        check_data(calibration_data, "--calibration-data")
-    if tokenizer:
-        resolve_tokenizer_dir(tokenizer)
     if bos_id is not None and not bos:
         raise ValueError("bos_id needs bos=True")
-    if bos and bos_id is None:
-        bos_id = data_bos_id(data, model_spec=model, tokenizer=tokenizer)
     if sequence_parallel and which != "echo":
         raise ValueError("sequence_parallel: eval runs the project's own Transformer "
                          "sequence-parallel (model impl 'echo')")
@@ -513,6 +504,15 @@ def main(*, model: str, data: str, comms: list[str], context: int = 1024,
                          "Transformer only (model impl 'echo')")
     if calibration_windows < 1:
         raise ValueError(f"calibration_windows must be >= 1, got {calibration_windows}")
+    if Path(model).is_dir():
+        check_shards(model)            # every shard opens: a truncated one is named here
+    check_data(data, "--data")
+    if calibration_data:
+        check_data(calibration_data, "--calibration-data")
+    if tokenizer:
+        resolve_tokenizer_dir(tokenizer)
+    if bos and bos_id is None:
+        bos_id = data_bos_id(data, model_spec=model, tokenizer=tokenizer)
     opts = EvalOptions(model=model, data=data, comms=tuple(comms), context=context,
                        stride=stride, batch_size=batch_size, max_windows=max_windows, seed=seed,
                        dtype=dtype, device=device, tokenizer=tokenizer, impl=which,
