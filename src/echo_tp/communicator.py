@@ -28,10 +28,10 @@ Defined answers (issues 15, 28):
   returned; a call whose rows are wider than any before pays one 3-integer agreement. CUDA
   calls and 16-bit calls check each new (fixed part, numel) once (on CUDA reading an in-band
   header would be a host sync per call; the 16-bit calls are torch's own collectives, bit for
-  bit), remembering at most MAX_CHECKED of them. ECHO_DEBUG_CHECKS=1
-  checks the whole signature on every call (the default cannot tell when a rank repeats a
-  remembered signature while a peer makes a new one, or when two ranks' numels fall in
-  different width classes, both no wider than rows sent before: gloo then aborts).
+  bit), remembering at most MAX_CHECKED of them. ECHO_DEBUG_CHECKS=1 checks the whole
+  signature on every call (the default cannot tell when a rank repeats a remembered signature
+  while a peer makes a new one, or when two ranks' numels fall in different width classes,
+  unless both rows are wider than any sent before: gloo then aborts or times out).
 * Zero-size inputs return zero-size outputs of their shape, and take part in the checks (a
   quantized CPU call runs its collectives with empty packets, so its length is compared too).
 * A group of one returns its input exactly (a copy, or x itself with inplace=True).
@@ -93,9 +93,9 @@ class EchoCommunicator:
         self.telemetry = Telemetry() if telemetry else None
         self._configs: dict[int, EchoConfig] = {}
         self._debug_checks = envs.debug_checks()
-        self._lengths = dispatcher.lengths         # CPU calls: the numel goes in-band
+        self._lengths = dispatcher.lengths         # quantized CPU calls: the numel in-band
         self._agreed: set[tuple] = set()           # fixed parts every rank agreed on
-        self._checked: OrderedDict[tuple, None] = OrderedDict()   # exact ones (CUDA calls)
+        self._checked: OrderedDict[tuple, None] = OrderedDict()   # exact ones (CUDA, 16-bit)
         self._check_transport = None
         self._entry = threading.Lock()
         self._broken: str | None = None
@@ -353,9 +353,9 @@ class EchoCommunicator:
                     kind: str) -> bool:
         """Every rank makes this call with the same signature (module docstring): a ValueError
         on every rank otherwise. Returns whether the call's numel is checked in-band (a
-        quantized CPU call with a transport that carries it), the rest of its signature checked
-        here once;
-        else the whole signature is checked here once (every call under ECHO_DEBUG_CHECKS=1)."""
+        quantized CPU call with a transport that carries it: the rest of its signature is
+        checked here once); otherwise the whole signature is checked here once, or on every
+        call under ECHO_DEBUG_CHECKS=1."""
         sig = (KINDS.index(kind), flat.shape[-1], DTYPES.index(flat.dtype), cfg.bits,
                DIRECTIONS.index(direction), int(flat.is_cuda))
         inband = (self._lengths is not None and cfg.quantized and not flat.is_cuda

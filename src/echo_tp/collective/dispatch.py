@@ -114,7 +114,7 @@ class Dispatcher:
         self.tables = tables
         self.device = device
         self.lengths = lengths
-        """Shared with the reference transport: CPU calls carry their length in-band
+        """Shared with the reference transport: quantized CPU calls carry their length in-band
         (collective/inband.py; the communicator sets it); None: they do not."""
         self._only = backends["reference"] if len(backends) == 1 else None
         self._routes: dict = {}

@@ -10,7 +10,7 @@ instead of costing a collective and a host read per new length:
     1/8 more bytes, and at least FLOOR bytes) that end in a header: the call's numel in
     HEADER_BYTES bytes. The padding never reaches the decoder (the rows are cut back to their
     packets), so the results are bit for bit those of bare rows;
-  * a row wider than any the group has sent in that collective (and dtype) is agreed first (one
+  * a row wider than any the group has sent in that collective is agreed first (one
     3-integer all-gather: collective, width, numel) and its width remembered (`Widths`: one
     number per collective): gloo aborts the process when a collective's sizes differ
     across ranks, so the ranks settle a new widest row before they send it. A server that has
@@ -21,9 +21,9 @@ instead of costing a collective and a host read per new length:
 
 The agreed widths are the same on every rank (each is set by a collective that all ranks
 ran), so ranks with the same numel always take the same branch. What stays unchecked by
-default: ranks whose numels fall in different width classes, both no wider than an agreed row
-(they send rows of different widths: gloo aborts the process, and run_ranks names the dead rank
-and its signal); ECHO_DEBUG_CHECKS=1 agrees on every call before it sends. CUDA tensors (NCCL,
+default: ranks whose numels fall in different width classes, unless both rows are wider than
+any agreed (one rank sends while the other agrees, or both send rows of different widths: gloo
+aborts the process or times out, and run_ranks names the rank); ECHO_DEBUG_CHECKS=1 agrees on every call before it sends. CUDA tensors (NCCL,
 p2p) keep the exact agreement per numel (reading a header there would be a host sync per call),
 and so do the plain 16-bit collectives (a wider buffer would change gloo's summation order at
 P >= 3, and bits=16 is bit for bit torch's own collective).
