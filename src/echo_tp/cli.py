@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
+
+from safetensors import SafetensorError
 
 from . import envs
 
@@ -202,21 +205,34 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Errors a user can fix (bad input; a rank of --world-size that failed, died or hung)
-    print one line and return 2; ECHO_CLI_TRACEBACK=1 prints the rank's traceback too."""
+    """Errors a user can fix print one line and return 2: bad input (ValueError), a file that
+    cannot be read or written (OSError: a wrong path, permissions, a full disk; the line names
+    the file), a rank of --world-size that failed, died or hung. ECHO_CLI_TRACEBACK=1 prints
+    the traceback (a rank's: its own) too."""
     from .launch import RankError
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except ValueError as e:
-        print(f"echo-tp: error: {e}", file=sys.stderr)
-        return 2
     except RankError as e:
         if envs.cli_traceback() and e.detail:
             print(e.detail, file=sys.stderr)
         print(f"echo-tp: error: {e.summary}", file=sys.stderr)
         return 2
+    except (ValueError, OSError, SafetensorError) as e:
+        if envs.cli_traceback():
+            traceback.print_exc()
+        print(f"echo-tp: error: {_one_line(e)}", file=sys.stderr)
+        return 2
     return 0
+
+
+def _one_line(e: BaseException) -> str:
+    """The error as one line; an OSError as 'file: reason' (the file it names)."""
+    if isinstance(e, OSError) and e.filename:
+        text = f"{e.filename}: {e.strerror or e}"
+    else:
+        text = str(e) or type(e).__name__
+    return " ".join(text.split())
 
 
 if __name__ == "__main__":

@@ -17,13 +17,23 @@ halves of the quantized all-reduce (collective/sharded.py), with their own compe
 per direction and kind (reset by new_pass with the all-reduce's) and the same checks below.
 They leave no telemetry rows (telemetry covers the all-reduce).
 
-Defined answers (issue 15):
-* Ranks must make the same calls: each new call signature (kind, numel, dtype, bits,
-  direction) is checked once per communicator with one small all-gather of 5 integers, then
-  cached, so ranks that disagree get a ValueError on every rank before any packet moves
-  (ECHO_DEBUG_CHECKS=1 checks every call: a rank whose signature is cached cannot notice a
-  peer's new one, so only the debug mode also catches a disagreement on a signature both
-  ranks used before).
+Defined answers (issues 15, 28):
+* Ranks must make the same calls. A call's fixed part (kind, dtype, bits, direction, device)
+  is checked once per communicator with one small all-gather of 6 integers (the numel of that
+  first call among them), then remembered: ranks that disagree get a ValueError on every rank
+  before any packet moves. The numel, which a server changes with every prefill length and
+  batch size, is checked without a collective of its own on quantized CPU calls: the reference
+  transport carries it in-band (collective/inband.py), so ranks whose numels differ get the same
+  ValueError on every rank after the first collective of the call, before anything is
+  returned; a call whose rows are wider than any before pays one 3-integer agreement. CUDA
+  calls and 16-bit calls check each new (fixed part, numel) once (on CUDA reading an in-band
+  header would be a host sync per call; the 16-bit calls are torch's own collectives, bit for
+  bit), remembering at most MAX_CHECKED of them. ECHO_DEBUG_CHECKS=1 checks the whole
+  signature on every call (the default cannot tell when a rank repeats a remembered signature
+  while a peer makes a new one, or when two ranks' numels fall in different width classes,
+  unless both rows are wider than any sent before: gloo then aborts or times out).
+* Zero-size inputs return zero-size outputs of their shape, and take part in the checks (a
+  quantized CPU call runs its collectives with empty packets, so its length is compared too).
 * A group of one returns its input exactly (a copy, or x itself with inplace=True).
 * One communicator serves one thread: a second thread entering a collective while another is
   inside raises RuntimeError, and the communicator refuses every later call (the two calls'
@@ -36,15 +46,18 @@ Defined answers (issue 15):
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
+from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
 
 from . import envs
 from .collective.dispatch import Dispatcher, build_dispatcher
-from .collective.reference import DistTransport
+from .collective.inband import CallLengthMismatch
+from .collective.reference import DistTransport, group_wait_s
 from .collective.simulated import SimTransport
 from .compensator import PassState
 from .config import DIRECTIONS, EchoConfig, check_bits
@@ -57,6 +70,9 @@ KINDS = ("all_reduce", "reduce_scatter", "all_gather")
 """The collectives a communicator runs (part of each call's signature)."""
 MAX_STREAMS = 16
 """Compensator state streams (distinct tensor sizes) one direction keeps; the oldest beyond."""
+MAX_CHECKED = 4096
+"""Exact call signatures (CUDA and 16-bit calls) one communicator remembers; the least recently
+used beyond (it is checked again when it comes back: every rank forgets the same one)."""
 
 
 class EchoCommunicator:
@@ -77,7 +93,9 @@ class EchoCommunicator:
         self.telemetry = Telemetry() if telemetry else None
         self._configs: dict[int, EchoConfig] = {}
         self._debug_checks = envs.debug_checks()
-        self._checked: set[tuple] = set()          # call signatures every rank agreed on
+        self._lengths = dispatcher.lengths         # quantized CPU calls: the numel in-band
+        self._agreed: set[tuple] = set()           # fixed parts every rank agreed on
+        self._checked: OrderedDict[tuple, None] = OrderedDict()   # exact ones (CUDA, 16-bit)
         self._check_transport = None
         self._entry = threading.Lock()
         self._broken: str | None = None
@@ -87,8 +105,14 @@ class EchoCommunicator:
     def from_group(cls, group: dist.ProcessGroup | None = None, config: EchoConfig | None = None,
                    *, backend: str = "auto", telemetry: bool = False,
                    check_config: bool = True) -> "EchoCommunicator":
-        """A communicator over a torch.distributed group (None = the default group)."""
+        """A communicator over a torch.distributed group (None = the default group). Logs one
+        warning when the group waits longer on a peer than ECHO_COLLECTIVE_TIMEOUT_S (torch's
+        default is 30 minutes: build it with timeout=echo_tp.launch.group_timeout())."""
         config = config if config is not None else EchoConfig()
+        wait = group_wait_s(group)
+        if wait is not None and wait > envs.collective_timeout_s():
+            _warn_long_wait(id(group if group is not None else dist.group.WORLD), wait,
+                            envs.collective_timeout_s())
         if check_config:
             check_same_config(config, group)
         return cls(build_dispatcher(group, backend), config, telemetry=telemetry, group=group)
@@ -264,13 +288,12 @@ class EchoCommunicator:
         ps = self.passes[direction]
         site = ps.sites
         flat = self._flatten(x)
-        if not self.simulated:
-            self._check_call(flat, cfg, direction, "all_reduce")
+        inband = not self.simulated and self._check_call(flat, cfg, direction, "all_reduce")
         ps.sites += 1
-        if flat.shape[-1] == 0:
-            return x.clone(), False
         if self.world_size == 1:       # the sum over a group of one is the input, exactly
             return (x if inplace else x.clone()), False
+        if flat.shape[-1] == 0 and not inband:
+            return x.clone(), False
         state = self._state_of(ps, flat, cfg)
         record = self.telemetry is not None and cfg.quantized
         inplace = inplace and x.is_contiguous() and (flat is x or flat.data_ptr() == x.data_ptr())
@@ -283,10 +306,12 @@ class EchoCommunicator:
                     normed, rout = b.run_add_rmsnorm(rows, res, norm[0], norm[1])
                     return (normed.reshape(x.shape), rout.reshape(x.shape)), "normed"
         added = residual is not None and not record and self.dispatcher.adds_residual(flat, cfg)
-        y, rec = self.dispatcher.run(flat, cfg, state=state, backward=direction == "backward",
-                                     record=record, inplace=inplace,
-                                     residual=residual.reshape(flat.shape).contiguous()
-                                     if added else None)
+        with self._in_band(inband, flat, cfg, direction, "all_reduce"):
+            y, rec = self.dispatcher.run(flat, cfg, state=state,
+                                         backward=direction == "backward", record=record,
+                                         inplace=inplace,
+                                         residual=residual.reshape(flat.shape).contiguous()
+                                         if added else None)
         if self.telemetry is not None:
             self.telemetry.record(direction=direction, site=site, bits=cfg.bits, x=flat, y=y,
                                   rec=rec, simulated=self.simulated)
@@ -299,16 +324,16 @@ class EchoCommunicator:
         cfg = self.config_for(bits, kind)
         ps = self.half_passes[kind][direction]
         flat, restore = self._half_view(x, dim, kind)
-        if not self.simulated:
-            self._check_call(flat, cfg, direction, kind)
+        inband = not self.simulated and self._check_call(flat, cfg, direction, kind)
         ps.sites += 1
         if self.world_size == 1:       # a group of one: its chunk / its gather is the input
             return x.clone()
-        if flat.shape[-1] == 0:
+        if flat.shape[-1] == 0 and not inband:
             return restore(flat.clone())
         state = self._state_of(ps, flat, cfg) if compensate else None
-        y = self.dispatcher.run_half(kind, flat, cfg, state=state,
-                                     backward=direction == "backward")
+        with self._in_band(inband, flat, cfg, direction, kind):
+            y = self.dispatcher.run_half(kind, flat, cfg, state=state,
+                                         backward=direction == "backward")
         return restore(y)
 
     def _half_view(self, x: torch.Tensor, dim: int, kind: str):
@@ -353,13 +378,23 @@ class EchoCommunicator:
         return state
 
     def _check_call(self, flat: torch.Tensor, cfg: EchoConfig, direction: str,
-                    kind: str) -> None:
-        """Every rank makes this call with the same signature: checked once per signature (every
-        call under ECHO_DEBUG_CHECKS=1), a ValueError on every rank otherwise."""
+                    kind: str) -> bool:
+        """Every rank makes this call with the same signature (module docstring): a ValueError
+        on every rank otherwise. Returns whether the call's numel is checked in-band (a
+        quantized CPU call with a transport that carries it: the rest of its signature is
+        checked here once); otherwise the whole signature is checked here once, or on every
+        call under ECHO_DEBUG_CHECKS=1."""
         sig = (KINDS.index(kind), flat.shape[-1], DTYPES.index(flat.dtype), cfg.bits,
-               DIRECTIONS.index(direction))
-        if sig in self._checked:
-            return
+               DIRECTIONS.index(direction), int(flat.is_cuda))
+        inband = (self._lengths is not None and cfg.quantized and not flat.is_cuda
+                  and not self._debug_checks)
+        if inband:
+            key = sig[:1] + sig[2:]                       # without the numel
+            if key in self._agreed:
+                return True
+        elif sig in self._checked:
+            self._checked.move_to_end(sig)
+            return False
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 f"echo-tp: the first call of signature {_describe(sig)} "
@@ -369,8 +404,31 @@ class EchoCommunicator:
         if self._check_transport is None:
             self._check_transport = DistTransport(self.group)
         check_same_call(sig, self._check_transport, flat.device)
-        if not self._debug_checks:
-            self._checked.add(sig)
+        if inband:
+            self._agreed.add(key)
+        elif not self._debug_checks:
+            self._checked[sig] = None
+            if len(self._checked) > MAX_CHECKED:
+                self._checked.popitem(last=False)
+        return inband
+
+    @contextlib.contextmanager
+    def _in_band(self, inband: bool, flat: torch.Tensor, cfg: EchoConfig, direction: str,
+                 kind: str):
+        """The call's numel handed to the transport (when inband), and a length mismatch the
+        transport found turned into the ValueError naming every rank's call."""
+        if not inband:
+            yield
+            return
+        self._lengths.numel = flat.shape[-1]
+        try:
+            yield
+        except CallLengthMismatch as e:
+            sigs = [(KINDS.index(kind), n, DTYPES.index(flat.dtype), cfg.bits,
+                     DIRECTIONS.index(direction), 0) for n in e.numels]
+            raise ValueError(_mismatch(sigs, "the call returned nothing on any rank")) from None
+        finally:
+            self._lengths.numel = None
 
     def _flatten(self, x: torch.Tensor) -> torch.Tensor:
         return x if x.dim() == 1 else x.reshape(-1)
@@ -460,21 +518,35 @@ def _bound_streams(ps, keep: int) -> None:
 
 
 def _describe(sig) -> str:
-    kind, n, dt, bits, d = (int(v) for v in sig)
+    kind, n, dt, bits, d, cuda = (int(v) for v in sig)
     name = KINDS[kind] if 0 <= kind < len(KINDS) else f"collective#{kind}"
     dtype = DTYPES[dt] if 0 <= dt < len(DTYPES) else f"dtype#{dt}"
     direction = DIRECTIONS[d] if 0 <= d < len(DIRECTIONS) else f"direction#{d}"
-    return f"{name}(numel={n}, dtype={dtype}, bits={bits}, direction={direction!r})"
+    return (f"{name}(numel={n}, dtype={dtype}, bits={bits}, direction={direction!r}"
+            + (", on CUDA)" if cuda else ")"))
+
+
+def _mismatch(sigs: list[tuple], what: str) -> str:
+    bad = [r for r, g in enumerate(sigs) if g != sigs[0]]
+    return ("collective calls differ across ranks: rank 0 calls " + _describe(sigs[0]) + ", "
+            + ", ".join(f"rank {r} calls {_describe(sigs[r])}" for r in bad)
+            + ". Every rank must make the same calls in the same order (same collective, numel, "
+            f"dtype, bits and direction); {what}")
 
 
 def check_same_call(sig: tuple, transport, device) -> None:
-    """One small all-gather (5 integers a rank): every rank makes the same call (kind, numel,
-    dtype, bits, direction); ValueError on every rank, naming each rank's call, otherwise."""
+    """One small all-gather (6 integers a rank): every rank makes the same call (kind, numel,
+    dtype, bits, direction, device); ValueError on every rank, naming each rank's call,
+    otherwise."""
     got = transport.all_gather_ints(list(sig), device=device, stage="call-signature check")
-    bad = [r for r, g in enumerate(got) if g != got[0]]
-    if bad:
-        raise ValueError("collective calls differ across ranks: rank 0 calls "
-                         + _describe(got[0]) + ", "
-                         + ", ".join(f"rank {r} calls {_describe(got[r])}" for r in bad)
-                         + ". Every rank must make the same calls in the same order (same "
-                         "collective, numel, dtype, bits and direction); nothing was sent")
+    if any(g != got[0] for g in got):
+        raise ValueError(_mismatch(got, "nothing was sent"))
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_long_wait(group_id: int, wait: float, limit: float) -> None:
+    """One warning per group (and timeout) per process."""
+    log.warning("echo-tp: this process group waits %g s on a peer, longer than "
+                "ECHO_COLLECTIVE_TIMEOUT_S=%g s: a rank that dies leaves the others waiting "
+                "that long. Build it with timeout=echo_tp.launch.group_timeout() "
+                "(torch's default is 30 minutes)", wait, limit)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from .config import EchoConfig
 from .launch import run_ranks
+from .paths import check_file_target, writing
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 DEMO_MODEL = ASSETS / "models" / "demo-8k"
@@ -124,7 +125,8 @@ def plot(results: dict, path: str) -> None:
     ax.set_title("Echo demo: partial sums of injected errors along one pass")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with writing(path):
+        fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
@@ -142,6 +144,11 @@ def perplexity(*, model: str | Path = DEMO_MODEL, text: str | Path = HELDOUT_TEX
 
 def main(*, world_size: int = 4, sites: int = 64, tokens: int = 32, hidden: int = 1024,
          out: str = "echo_demo.png", progress: bool = True, with_model: bool = True) -> dict:
+    for name, v in (("--world-size", world_size), ("--sites", sites), ("--tokens", tokens),
+                    ("--hidden", hidden)):
+        if v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
+    check_file_target(out, "--out")        # before the run
     results = run(world_size=world_size, shape=DemoShape(sites=sites, tokens=tokens,
                                                          hidden=hidden), progress=progress)
     print(format_table(results))

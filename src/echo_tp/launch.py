@@ -6,9 +6,11 @@ value.
 Used by the demo, the CLI's CPU paths, the tests and the GPU benchmarks (backend='nccl'). fn
 must be importable (module level).
 Every outcome ends in bounded time with a name: the first rank that fails (or dies) is reported
-at once and the others are stopped; ranks still running after `timeout` seconds are stopped and
-named; an interrupt of the parent (Ctrl-C, SIGINT) stops every rank before it propagates. Inside
-the ranks every collective waits at most ECHO_COLLECTIVE_TIMEOUT_S on a peer (group_timeout).
+at once and the others are stopped (a rank that died, with its exit code or signal, is named
+before the peers that then failed waiting on it); ranks still running after `timeout` seconds
+are stopped and named; an interrupt of the parent (Ctrl-C, SIGINT) stops every rank before it
+propagates. Inside the ranks every collective waits at most ECHO_COLLECTIVE_TIMEOUT_S on a peer
+(group_timeout).
 """
 from __future__ import annotations
 
@@ -30,6 +32,11 @@ POLL_S = 0.05
 """How often the parent looks at its ranks."""
 STOP_GRACE_S = 5.0
 """Seconds a stopped rank gets between SIGTERM and SIGKILL."""
+DEATH_GRACE_S = 2.0
+"""After a rank fails waiting on its peers: how long to look for a peer that died (the cause)."""
+PEER_FAILURES = ("PeerWaitError", "DistBackendError", "DistNetworkError", "DistStoreError",
+                 "Connection closed by peer", "Connection reset by peer")
+"""Traceback text of a failure to wait on peers (echo-tp's own, and torch.distributed's)."""
 
 
 class RankError(RuntimeError):
@@ -108,15 +115,13 @@ def _collect(procs, outdir: str, timeout: float) -> list:
             if r not in results and os.path.exists(_result_path(outdir, r)):
                 status, value = torch.load(_result_path(outdir, r), weights_only=False)
                 if status == "error":
-                    raise RankError(r, f"rank {r} failed: {_last_line(value)}", value)
+                    raise _failure(procs, outdir, r, value)
                 results[r] = value
         if len(results) == len(procs):
             return [results[r] for r in range(len(procs))]
-        for r, p in enumerate(procs):
-            if r not in results and not p.is_alive() \
-                    and not os.path.exists(_result_path(outdir, r)):
-                raise RankError(r, f"rank {r} died ({_exit_reason(p.exitcode)}) before "
-                                   "reporting a result")
+        dead = _dead(procs, outdir)
+        if dead:
+            raise RankError(dead[0], _died(procs, dead[0]))
         if time.monotonic() > deadline:
             late = [r for r in range(len(procs)) if r not in results]
             raise RankError(late[0], f"rank {late[0]} did not finish within {timeout:g} s "
@@ -124,6 +129,35 @@ def _collect(procs, outdir: str, timeout: float) -> list:
                                      "fails after ECHO_COLLECTIVE_TIMEOUT_S, a slow fn needs "
                                      "run_ranks(timeout=...)")
         time.sleep(POLL_S)
+
+
+def _dead(procs, outdir: str) -> list[int]:
+    """Ranks whose process has ended without writing a result (killed, os._exit, a crash)."""
+    return [r for r, p in enumerate(procs)
+            if not p.is_alive() and not os.path.exists(_result_path(outdir, r))]
+
+
+def _died(procs, r: int) -> str:
+    return f"rank {r} died ({_exit_reason(procs[r].exitcode)}) before reporting a result"
+
+
+def _failure(procs, outdir: str, r: int, tb: str) -> RankError:
+    """The RankError of rank r's failure. A rank that died (its peers then fail waiting on it)
+    is the cause, so it is named first. A peer notices a death before the dead process is
+    reaped, so after a failure of a wait on peers (PEER_FAILURES) the death is looked for up to
+    DEATH_GRACE_S; any other failure is rank r's own and is reported at once."""
+    peer_wait = any(k in tb for k in PEER_FAILURES)
+    end = time.monotonic() + (DEATH_GRACE_S if peer_wait else 0.0)
+    while True:
+        dead = _dead(procs, outdir)
+        if dead:
+            return RankError(dead[0], f"{_died(procs, dead[0])}; then rank {r} failed: "
+                                      f"{_last_line(tb)}", tb)
+        pending = [q for q in range(len(procs)) if q != r
+                   and not os.path.exists(_result_path(outdir, q))]
+        if not pending or time.monotonic() >= end:
+            return RankError(r, f"rank {r} failed: {_last_line(tb)}", tb)
+        time.sleep(POLL_S / 5)
 
 
 def _last_line(tb: str) -> str:

@@ -264,8 +264,15 @@ def from_bytes(buf: torch.Tensor, n: int, spec: QuantSpec) -> Packet:
     ncode = n * spec.bits // 8
     groups = n // spec.group_size
     codes = buf[..., :ncode]
-    scale = buf[..., ncode:ncode + 2 * groups].contiguous().view(torch.float16)
+    scale = _words(buf[..., ncode:ncode + 2 * groups])
     zero = None
     if spec.has_zero:
-        zero = buf[..., ncode + 2 * groups:ncode + 4 * groups].contiguous().view(torch.float16)
+        zero = _words(buf[..., ncode + 2 * groups:ncode + 4 * groups])
     return Packet(codes, scale, zero)
+
+
+def _words(b: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 2k] -> its k 16-bit words as fp16 bits [..., k] (k = 0: an empty packet)."""
+    if b.shape[-1] == 0:
+        return torch.empty(b.shape, dtype=torch.float16, device=b.device)
+    return b.contiguous().view(torch.float16)

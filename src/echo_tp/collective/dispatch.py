@@ -29,6 +29,7 @@ from ..compensator import CompState
 from ..config import EchoConfig
 from . import routing, tuning
 from .chunked import chunked_all_reduce
+from .inband import CallLengths
 from .qar import StepRecord
 from .reference import DistTransport
 from .routing import Route
@@ -102,7 +103,8 @@ class Dispatcher:
 
     def __init__(self, backends: dict, world_size: int, *, mode: str = "reference",
                  available: dict[str, str | None] | None = None,
-                 tables: tuning.Tables = tuning.DEFAULT, device: torch.device | None = None):
+                 tables: tuning.Tables = tuning.DEFAULT, device: torch.device | None = None,
+                 lengths: CallLengths | None = None):
         if "reference" not in backends:
             raise ValueError("a dispatcher needs a 'reference' backend (it takes every call)")
         self.backends = backends
@@ -111,6 +113,9 @@ class Dispatcher:
         self.available = dict(available or {})
         self.tables = tables
         self.device = device
+        self.lengths = lengths
+        """Shared with the reference transport: quantized CPU calls carry their length in-band
+        (collective/inband.py; the communicator sets it); None: they do not."""
         self._only = backends["reference"] if len(backends) == 1 else None
         self._routes: dict = {}
         self._logged: set = set()
@@ -222,7 +227,8 @@ def build_dispatcher(group: dist.ProcessGroup | None, backend: str = "auto") -> 
     if backend not in routing.MODES:
         raise ValueError(f"backend must be one of {routing.MODES}, got {backend!r}")
     mode = envs.backend() if backend == "auto" else backend
-    ref = TransportBackend(DistTransport(group))
+    lengths = CallLengths()
+    ref = TransportBackend(DistTransport(group, lengths))
     backends: dict = {"reference": ref}
     available: dict[str, str | None] = {}
     tables = tuning.DEFAULT.with_overrides(p2p_min_bytes=envs.p2p_min_bytes(),
@@ -240,7 +246,7 @@ def build_dispatcher(group: dist.ProcessGroup | None, backend: str = "auto") -> 
                 if one is not None:
                     backends["oneshot"] = one
     return Dispatcher(backends, ref.world_size, mode=mode, available=available, tables=tables,
-                      device=device)
+                      device=device, lengths=lengths)
 
 
 def _try_p2p(group, strict: bool):

@@ -5,7 +5,13 @@ reference backend every faster one is compared with.
 
 A collective that fails while waiting on a peer (the group's timeout ran out, a peer died)
 raises PeerWaitError naming this rank and the stage of the call it was in; groups echo-tp
-builds wait ECHO_COLLECTIVE_TIMEOUT_S, a user's group its own timeout (README).
+builds wait ECHO_COLLECTIVE_TIMEOUT_S, a user's group its own timeout (README;
+`group_wait_s` reads it where torch exposes it).
+
+With a CallLengths (the communicator's), quantized CPU calls carry their length in-band: packet
+rows padded to a width class with the call's numel in a header, checked on every rank after each
+collective (collective/inband.py); CUDA tensors, the plain 16-bit collectives (bit for bit
+torch's own) and transports without one send the bare rows.
 """
 from __future__ import annotations
 
@@ -13,6 +19,8 @@ import torch
 import torch.distributed as dist
 
 from .. import envs
+from .inband import (OPS, CallLengthMismatch, CallLengths, Widths, byte_numels, byte_row,
+                     check_numels, wire_len)
 
 
 # torch >= 2.13 names them *_single; older releases only have the *_tensor forms
@@ -29,13 +37,17 @@ class DistTransport:
 
     name = "reference"
 
-    def __init__(self, group: dist.ProcessGroup | None = None):
+    def __init__(self, group: dist.ProcessGroup | None = None,
+                 lengths: CallLengths | None = None):
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: call "
                                "dist.init_process_group first (or use SimulatedCommunicator)")
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self.lengths = lengths
+        self.widths = Widths()
+        """The widest rows this group agreed on (collective/inband.py)."""
 
     def _wait(self, stage: str, collective, /, *args, **kw) -> None:
         """collective(*args, group=..., **kw), a failure re-raised with this rank and stage."""
@@ -58,17 +70,55 @@ class DistTransport:
         t[self.rank] = v
         return t
 
+    def _numel(self, t: torch.Tensor) -> int | None:
+        """The call's numel when this collective carries it in-band (a CPU tensor, a length
+        set), else None."""
+        if self.lengths is None or self.lengths.numel is None or t.is_cuda:
+            return None
+        return self.lengths.numel
+
+    def _settle(self, op: str, width: int, numel: int) -> None:
+        """Agree on a row wider than any `op` sent before (a 3-integer all-gather), before any
+        rank sends it: gloo aborts on collectives whose sizes differ."""
+        if self.widths.knows(op, width):
+            return
+        got = self.all_gather_ints([OPS.index(op), width, numel], device=torch.device("cpu"),
+                                   stage=f"width agreement of the {op}")
+        if any(g != got[0] for g in got):
+            raise CallLengthMismatch([g[2] for g in got], op)
+        self.widths.add(op, width)
+
     def all_to_all(self, buf: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(buf)
-        self._wait("all-to-all of packets (QAR step 1)", dist.all_to_all_single, out,
-                   buf.contiguous())
-        return out
+        stage = "all-to-all of packets (QAR step 1)"
+        n = self._numel(buf)
+        if n is None:
+            out = torch.empty_like(buf)
+            self._wait(stage, dist.all_to_all_single, out, buf.contiguous())
+            return out
+        nb = buf.shape[-1]
+        w = wire_len(nb)
+        self._settle("all_to_all", w, n)
+        wire = byte_row(buf, w, n)                          # [P(owner), w + header]
+        out = torch.empty_like(wire)                        # [P(sender), w + header]
+        self._wait(stage, dist.all_to_all_single, out, wire)
+        check_numels(byte_numels(out, w), "all_to_all")
+        return out[:, :nb].contiguous()
 
     def all_gather(self, buf: torch.Tensor) -> torch.Tensor:
-        out = torch.empty((self.world_size, *buf.shape), dtype=buf.dtype, device=buf.device)
-        self._wait("all-gather of owner codes (QAR step 3)", dist.all_gather,
-                   list(out.unbind(0)), buf.contiguous())
-        return out
+        stage = "all-gather of owner codes (QAR step 3)"
+        n = self._numel(buf)
+        if n is None:
+            out = torch.empty((self.world_size, *buf.shape), dtype=buf.dtype, device=buf.device)
+            self._wait(stage, dist.all_gather, list(out.unbind(0)), buf.contiguous())
+            return out
+        nb = buf.shape[-1]
+        w = wire_len(nb)
+        self._settle("all_gather", w, n)
+        wire = byte_row(buf, w, n)                          # [w + header]
+        out = wire.new_empty(self.world_size, wire.shape[-1])
+        self._wait(stage, dist.all_gather, list(out.unbind(0)), wire)
+        check_numels(byte_numels(out, w), "all_gather")
+        return out[:, :nb].contiguous()
 
     def all_max(self, t: torch.Tensor) -> torch.Tensor:
         t = t.clone()
@@ -97,3 +147,15 @@ class DistTransport:
         out = torch.empty((self.world_size, len(values)), dtype=torch.int64, device=device)
         self._wait(stage, dist.all_gather, list(out.unbind(0)), t)
         return [tuple(row) for row in out.tolist()]
+
+
+def group_wait_s(group: dist.ProcessGroup | None = None) -> float | None:
+    """How long the group's collectives wait on a peer, in seconds, where torch exposes it (the
+    backend's options._timeout, gloo and NCCL); None where it does not."""
+    try:
+        pg = group if group is not None else dist.group.WORLD
+        device = torch.device("cuda" if dist.get_backend(group) == "nccl" else "cpu")
+        timeout = pg._get_backend(device).options._timeout
+        return float(timeout.total_seconds())
+    except (AttributeError, RuntimeError, ValueError, TypeError):
+        return None

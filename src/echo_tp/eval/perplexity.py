@@ -38,6 +38,7 @@ configs differently (studies/kl_probe.py, docs/results/2026-12-01-fidelity-testb
 """
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import os
@@ -51,12 +52,14 @@ import torch.nn.functional as F
 from echo_tp.config import EchoConfig
 from echo_tp.models import (ModelConfig, build_meta_model, build_tokenizer, init_weights,
                             load_hf_checkpoint, load_tokens, resolve_model_config)
-from echo_tp.models.tokenize import (DEFAULT_EOS, resolve_tokenizer_dir, separator_id,
-                                     token_file_info)
+from echo_tp.models.checkpoint import check_shards
+from echo_tp.models.tokenize import (DEFAULT_EOS, check_token_file, resolve_tokenizer_dir,
+                                     separator_id, token_file_info)
+from echo_tp.paths import check_file_target, writing
 from echo_tp.tp import parallelize, parse_comm_specs, set_comm
 from echo_tp.tp.policy import (average_wire_bits, edge_width, gather_width, make_policy,
                                telemetry_budget, telemetry_policy, wire_bits_per_value)
-from echo_tp.tp.runtime import launch, make_comm, rank_device
+from echo_tp.tp.runtime import check_group_args, launch, make_comm, rank_device
 
 from .lastword import target_spans, token_classes, word_hits
 from .stats import gap_closed_table, mean_per_token, paired_difference
@@ -160,7 +163,12 @@ def load_eval_tokens(data: str, *, model_spec: str, tokenizer: str | None) -> to
         return load_tokens(path)
     tok_dir = _text_tokenizer_dir(model_spec, tokenizer)
     tok = build_tokenizer(resolve_tokenizer_dir(tok_dir))
-    return torch.tensor(tok.encode(path.read_text(encoding="utf-8")).ids, dtype=torch.long)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"data file {data} is not UTF-8 text ({e}); pass a token file (.bin) "
+                         "or a UTF-8 text file") from None
+    return torch.tensor(tok.encode(text).ids, dtype=torch.long)
 
 
 def _text_tokenizer_dir(model_spec: str, tokenizer: str | None) -> str | None:
@@ -481,14 +489,13 @@ def main(*, model: str, data: str, comms: list[str], context: int = 1024,
     bos=True: BOS-started windows (bos_id, default: see the module doc)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    check_group_args(simulate=simulate, world_size=world_size)
     parse_comm_specs(list(comms))  # fail fast, before any process starts
     if out:
-        check_writable(out, "--out")
+        check_file_target(out, "--out")
     which = model_impl(model, impl)
     if bos_id is not None and not bos:
         raise ValueError("bos_id needs bos=True")
-    if bos and bos_id is None:
-        bos_id = data_bos_id(data, model_spec=model, tokenizer=tokenizer)
     if sequence_parallel and which != "echo":
         raise ValueError("sequence_parallel: eval runs the project's own Transformer "
                          "sequence-parallel (model impl 'echo')")
@@ -497,6 +504,15 @@ def main(*, model: str, data: str, comms: list[str], context: int = 1024,
                          "Transformer only (model impl 'echo')")
     if calibration_windows < 1:
         raise ValueError(f"calibration_windows must be >= 1, got {calibration_windows}")
+    if Path(model).is_dir():
+        check_shards(model)            # every shard opens: a truncated one is named here
+    check_data(data, "--data")
+    if calibration_data:
+        check_data(calibration_data, "--calibration-data")
+    if tokenizer:
+        resolve_tokenizer_dir(tokenizer)
+    if bos and bos_id is None:
+        bos_id = data_bos_id(data, model_spec=model, tokenizer=tokenizer)
     opts = EvalOptions(model=model, data=data, comms=tuple(comms), context=context,
                        stride=stride, batch_size=batch_size, max_windows=max_windows, seed=seed,
                        dtype=dtype, device=device, tokenizer=tokenizer, impl=which,
@@ -521,22 +537,31 @@ def main(*, model: str, data: str, comms: list[str], context: int = 1024,
                       "context": context, "stride": stride or context, "bos_id": bos_id,
                       "dtype": dtype, "seed": seed, "rotate": rotate,
                       "sequence_parallel": sequence_parallel, "results": results}
-            Path(out).parent.mkdir(parents=True, exist_ok=True)
-            Path(out).write_text(json.dumps(record, indent=2) + "\n")
+            with writing(out):
+                Path(out).parent.mkdir(parents=True, exist_ok=True)
+                Path(out).write_text(json.dumps(record, indent=2) + "\n")
     return results
 
 
-def check_writable(path: str, what: str) -> None:
-    """ValueError unless a file can be created at `path` (checked before a long run)."""
-    p = Path(path)
-    if p.is_dir():
-        raise ValueError(f"{what} {path} is a directory; name a file, e.g. {p / 'results.json'}")
-    parent = p.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"{what} {path}: cannot write there ({parent} is not a writable "
-                         "directory); pick another path")
+def check_data(data: str, what: str) -> None:
+    """ValueError naming `what` unless data is a token file (.bin and its sidecar, sizes
+    consistent) or a UTF-8 text file (read through once): checked before the model is built."""
+    if Path(data).suffix == ".bin":
+        check_token_file(data, what)
+    elif Path(data).is_dir():
+        raise ValueError(f"{what} {data} is a directory; name a token file or a text file")
+    elif not Path(data).is_file():
+        raise ValueError(f"{what} {data}: the file does not exist")
+    else:
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        try:
+            with open(data, "rb") as f:
+                while chunk := f.read(1 << 24):
+                    decoder.decode(chunk)
+            decoder.decode(b"", final=True)
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{what} {data} is not UTF-8 text ({e}); pass a token file (.bin) "
+                             "or a UTF-8 text file") from None
 
 
 def _world() -> int:

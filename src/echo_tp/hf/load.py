@@ -17,7 +17,9 @@ benchmarks/hf_load_memory.py: 0.40x from_pretrained's peak per rank of P=4; read
 safetensors' pread backend, see _open). Checkpoints whose keys
 are the model's parameter names load (what transformers' save_pretrained writes for the dense
 families); a key the model needs but the files lack is a ValueError (for checkpoints stored in an
-older layout, e.g. per-expert MoE weights, load with from_pretrained and call parallelize_hf).
+older layout, e.g. per-expert MoE weights, load with from_pretrained and call parallelize_hf), and
+so is a tensor whose shape in the file differs from the one config.json implies, checked before
+any slice of it is read (models/checkpoint.py; a truncated or corrupt shard is named too).
 """
 from __future__ import annotations
 
@@ -29,9 +31,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from .parallelize import parallelize_hf
+from echo_tp.models.checkpoint import INDEX_FILE, check_shape, shard_errors, shard_files
 
-INDEX_FILE = "model.safetensors.index.json"
+from .parallelize import parallelize_hf
+from .plan import text_config
 
 
 def load_hf_tp(path: str | Path, comm, rank: int | None = None, *,
@@ -48,7 +51,9 @@ def load_hf_tp(path: str | Path, comm, rank: int | None = None, *,
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     parallelize_hf(model, comm, rank, policy=policy, sequence_parallel=sequence_parallel)
     files = _key_files(path)
+    _check_layer_count(model, files)
     real = _real_names(model)
+    fields = text_config(model).to_dict()
     loaded: dict[int, nn.Parameter] = {}  # id(meta parameter) -> loaded (ties stay ties)
     with contextlib.ExitStack() as stack:
         handles = {f: stack.enter_context(_open(f)) for f in sorted(set(files.values()))}
@@ -61,10 +66,12 @@ def load_hf_tp(path: str | Path, comm, rank: int | None = None, *,
                                      f"{type(model).__name__} needs; load it with "
                                      "from_pretrained and call parallelize_hf instead")
                 shard = model.echo_tp.shards.get(key)
-                value = _read(handles[files[key]], key, shard, r)
-                if tuple(value.shape) != tuple(param.shape):
-                    raise ValueError(f"{key}: checkpoint slice {tuple(value.shape)} != model "
-                                     f"{tuple(param.shape)}; config.json and weights disagree")
+                handle = handles[files[key]]
+                whole = list(param.shape)        # the unsplit shape config.json implies
+                if shard is not None:
+                    whole[shard[0]] = shard[2]
+                check_shape(key, handle.get_slice(key).get_shape(), whole, fields, files[key])
+                value = _read(handle, key, shard, r)
                 new = nn.Parameter(value.to(device=device, dtype=param.dtype),
                                    requires_grad=param.requires_grad)
                 new._is_hf_initialized = True
@@ -84,25 +91,39 @@ def _open(f: Path):
     every row-parallel weight (docs/results/2026-12-01-hf-load-memory.md, a 168 MiB checkpoint
     at P=4: 138-143 MiB peak per rank with mmap, 68 MiB with pread, for 60 MiB of parameters;
     from_pretrained 169 MiB). pread copies only the requested bytes into the rank's tensor."""
-    try:
-        return safe_open(str(f), framework="pt", device="cpu", backend="pread")
-    except TypeError:  # safetensors < 0.8: no backend argument
-        return safe_open(str(f), framework="pt", device="cpu")
+    with shard_errors(f):
+        try:
+            return safe_open(str(f), framework="pt", device="cpu", backend="pread")
+        except TypeError:  # safetensors < 0.8: no backend argument
+            return safe_open(str(f), framework="pt", device="cpu")
 
 
 def _key_files(path: Path) -> dict[str, Path]:
     """Checkpoint key -> the file holding it."""
     if (path / INDEX_FILE).is_file():
+        shard_files(path)                                     # a readable index
         weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
         return {k: path / f for k, f in weight_map.items()}
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no *.safetensors files in {path}")
     out = {}
-    for f in files:
-        with safe_open(str(f), framework="pt", device="cpu") as h:
+    for f in shard_files(path):
+        with shard_errors(f), safe_open(str(f), framework="pt", device="cpu") as h:
             out.update({k: f for k in h.keys()})
     return out
+
+
+def _check_layer_count(model: nn.Module, files: dict[str, Path]) -> None:
+    """ValueError when the checkpoint holds decoder layers past config.json's count (they
+    would be left out silently: every tensor the model has is found, the extra ones unread)."""
+    prefix = f"{model.base_model_prefix}.layers."
+    n = len(model.base_model.layers)
+    extra = sorted({int(k[len(prefix):].split(".")[0]) for k in files
+                    if k.startswith(prefix) and k[len(prefix):].split(".")[0].isdigit()}
+                   - set(range(n)))
+    if extra:
+        raise ValueError(f"the checkpoint holds {len(extra)} decoder layer(s) past "
+                         f"config.json's num_hidden_layers = {n} (the first: {prefix}"
+                         f"{extra[0]}): config.json and the weights disagree; fix the config or "
+                         "use the weights it belongs to")
 
 
 def _real_names(model: nn.Module) -> dict[str, tuple[int, str]]:

@@ -17,15 +17,13 @@ import math
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from echo_tp.models.checkpoint import SINGLE_FILE, check_shape, open_shard, shard_files
 from echo_tp.models.config import ModelConfig
 from echo_tp.models.transformer import Transformer
 
 CONFIG_FILE = "config.json"
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 # Keys some checkpoints carry that hold no weights (old Llama conversions saved RoPE buffers).
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -59,19 +57,6 @@ def build_meta_model(cfg: ModelConfig) -> Transformer:
         return Transformer(cfg)
 
 
-def _safetensors_files(path: Path) -> list[Path]:
-    if (path / INDEX_FILE).is_file():
-        weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
-        return [path / name for name in sorted(set(weight_map.values()))]
-    if (path / SINGLE_FILE).is_file():
-        return [path / SINGLE_FILE]
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no *.safetensors files in {path} "
-                         "(PyTorch .bin checkpoints are not read)")
-    return files
-
-
 def load_hf_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.bfloat16,
                        device: str | torch.device = "cpu") -> tuple[Transformer, ModelConfig]:
     """Load an HF Llama/Qwen3 checkpoint directory into a `Transformer` (eval mode).
@@ -84,16 +69,15 @@ def load_hf_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.bfloat16,
         raise ValueError(f"{path} has no {CONFIG_FILE}; expected an HF checkpoint directory")
     if not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating point dtype, got {dtype}")
-    cfg = ModelConfig.from_hf_config(json.loads((path / CONFIG_FILE).read_text()))
+    config = json.loads((path / CONFIG_FILE).read_text())
+    cfg = ModelConfig.from_hf_config(config)
     key_map = hf_key_map(cfg)
+    model = build_meta_model(cfg)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     state: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
-    for file in _safetensors_files(path):
-        try:
-            unexpected += _read_file(file, key_map, cfg, state, device, dtype)
-        except SafetensorError as e:
-            raise ValueError(f"checkpoint file {file} is truncated or corrupt ({e}); save or "
-                             "download it again") from None
+    for file in shard_files(path):
+        unexpected += _read_file(file, key_map, cfg, state, device, dtype, shapes, config)
     missing = sorted(set(key_map.values()) - set(state))
     if missing or unexpected:
         raise ValueError(
@@ -102,19 +86,21 @@ def load_hf_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.bfloat16,
             f"{'...' if len(unexpected) > 8 else ''}")
     if cfg.tie_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    model = build_meta_model(cfg)
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()
     return model.eval(), cfg
 
 
-def _read_file(file: Path, key_map: dict, cfg: ModelConfig, state: dict, device,
-               dtype) -> list[str]:
-    """The mapped tensors of one safetensors file into state; returns its unexpected keys."""
+def _read_file(file: Path, key_map: dict, cfg: ModelConfig, state: dict, device, dtype,
+               shapes: dict, config: dict) -> list[str]:
+    """The mapped tensors of one safetensors file into state, each shape checked against the
+    model's (config.json's) before it is read; returns the file's unexpected keys."""
     unexpected = []
-    with safe_open(str(file), framework="pt", device="cpu") as f:
+    with open_shard(file) as f:
         for key in f.keys():
             if key in key_map:
+                check_shape(key, f.get_slice(key).get_shape(), shapes[key_map[key]], config,
+                            file)
                 state[key_map[key]] = f.get_tensor(key).to(device=device, dtype=dtype)
             elif key == "lm_head.weight" and cfg.tie_embeddings:
                 continue  # tied: the embedding is the head

@@ -25,6 +25,8 @@ import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, \
     pre_tokenizers, processors
 
+from echo_tp.paths import check_file_target, writing
+
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets" / "tokenizers"
 DEFAULT_TOKENIZER = "gpt2"
 DEFAULT_EOS = "<|endoftext|>"
@@ -48,7 +50,13 @@ def resolve_tokenizer_dir(tokenizer_dir: str | Path | None = None) -> Path:
 
 
 def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    """The JSON object in path ({} when there is no such file); ValueError naming a broken one."""
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:   # also UnicodeDecodeError
+        raise ValueError(f"{path} is not valid JSON ({e})") from None
 
 
 def _token_content(value) -> list[str]:
@@ -84,12 +92,21 @@ def build_tokenizer(tokenizer_dir: str | Path | None = None) -> Tokenizer:
     """A byte-level BPE `Tokenizer` from tokenizer_dir (default: the shipped GPT-2 files)."""
     path = resolve_tokenizer_dir(tokenizer_dir)
     if (path / "tokenizer.json").is_file():
-        return Tokenizer.from_file(str(path / "tokenizer.json"))
+        try:
+            return Tokenizer.from_file(str(path / "tokenizer.json"))
+        except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception
+            raise ValueError(f"{path / 'tokenizer.json'} is not a tokenizers file "
+                             f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") \
+                from None
     vocab, merges = path / "vocab.json", path / "merges.txt"
     if not vocab.is_file() or not merges.is_file():
         raise ValueError(f"{path} needs tokenizer.json, or vocab.json + merges.txt")
-    bpe = models.BPE.from_file(str(vocab), str(merges), continuing_subword_prefix="",
-                               end_of_word_suffix="", fuse_unk=False, byte_fallback=False)
+    try:
+        bpe = models.BPE.from_file(str(vocab), str(merges), continuing_subword_prefix="",
+                                   end_of_word_suffix="", fuse_unk=False, byte_fallback=False)
+    except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception
+        raise ValueError(f"{vocab} + {merges.name} do not form a BPE tokenizer "
+                         f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
     tok = Tokenizer(bpe)
     family = str(_read_json(path / "tokenizer_config.json").get("tokenizer_class", ""))
     if family.startswith("Qwen2"):
@@ -238,11 +255,14 @@ def write_tokens(tokens: np.ndarray, out_path: str | Path, *, vocab_size: int, m
     dtype = token_dtype(vocab_size)
     if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
         raise ValueError(f"token ids outside [0, {vocab_size}) cannot be stored")
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tokens.astype(dtype).tofile(out_path)
+    with writing(out_path):
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(out_path, "wb") as f:   # (ndarray.tofile ignores a failed final flush)
+            f.write(np.ascontiguousarray(tokens, dtype=dtype.newbyteorder("<")).data)
     info = {"dtype": dtype.name, "byteorder": "little", "n_tokens": int(tokens.size),
             "vocab_size": vocab_size, **meta}
-    sidecar_path(out_path).write_text(json.dumps(info, indent=2) + "\n")
+    with writing(sidecar_path(out_path)):
+        sidecar_path(out_path).write_text(json.dumps(info, indent=2) + "\n")
     return info
 
 
@@ -268,6 +288,29 @@ def separator_id(path: str | Path) -> int:
                          "document separator); write the file with `echo-tp tokenize`, or add "
                          '"eos_id" to the sidecar')
     return eos
+
+
+def check_token_file(path: str | Path, what: str) -> None:
+    """ValueError naming `what` unless path is a token file whose sidecar names its dtype and
+    whose size matches the sidecar's n_tokens (what load_tokens reads, checked from the sizes
+    alone: before a long run starts)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{what} {path} is a directory, not a token file" if path.is_dir()
+                         else f"{what} {path}: the token file does not exist")
+    try:
+        info = _read_json(sidecar_path(path))
+    except ValueError as e:
+        raise ValueError(f"{what} {path}: its sidecar {sidecar_path(path).name} is not valid "
+                         f"JSON ({e})") from None
+    dtype = info.get("dtype")
+    if dtype not in ("uint16", "uint32"):
+        raise ValueError(f"{what} {path}: no sidecar {sidecar_path(path).name} naming the dtype "
+                         "(write token files with `echo-tp tokenize`)")
+    size, item = path.stat().st_size, np.dtype(dtype).itemsize
+    if size % item or ("n_tokens" in info and size // item != info["n_tokens"]):
+        raise ValueError(f"{what} {path}: {size} bytes, but its sidecar says "
+                         f"{info.get('n_tokens')} {dtype} tokens (a truncated or replaced file)")
 
 
 def load_tokens(path: str | Path, *, dtype: str | None = None) -> torch.Tensor:
@@ -305,6 +348,10 @@ def main(inputs: list[str], tokenizer_dir: str | None, out: str, val_fraction: f
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     if val_split not in VAL_SPLITS:
         raise ValueError(f"val_split must be one of {VAL_SPLITS}, got {val_split!r}")
+    targets = [Path(out)] + ([val_path_for(out)] if val_fraction > 0 else [])
+    for dest in targets:                          # before any tokenizing
+        check_file_target(dest, "--out")
+        check_file_target(sidecar_path(dest), "--out (its .json sidecar)")
     path = resolve_tokenizer_dir(tokenizer_dir)
     tokenizer = build_tokenizer(path)
     eos_id = _eos_id(tokenizer, DEFAULT_EOS)

@@ -31,16 +31,21 @@ def in_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
-def launch(fn, opts, *, simulate: int | None = None, world_size: int | None = None) -> Launched:
+def check_group_args(*, simulate: int | None = None, world_size: int | None = None) -> None:
+    """ValueError for a TP-group choice launch() refuses (tools check it before other work)."""
     if simulate is not None and world_size is not None:
         raise ValueError("choose either --simulate P (one process) or --world-size P (gloo)")
+    if simulate is not None and simulate < 1:
+        raise ValueError(f"--simulate needs P >= 1 virtual ranks, got {simulate}")
+    if world_size is not None and world_size < 1:
+        raise ValueError(f"--world-size needs P >= 1 processes, got {world_size}")
+
+
+def launch(fn, opts, *, simulate: int | None = None, world_size: int | None = None) -> Launched:
+    check_group_args(simulate=simulate, world_size=world_size)
     if simulate is not None:
-        if simulate < 1:
-            raise ValueError(f"--simulate needs P >= 1 virtual ranks, got {simulate}")
         return Launched(fn(None, simulate, opts), True)
     if world_size is not None:
-        if world_size < 1:
-            raise ValueError(f"--world-size needs P >= 1 processes, got {world_size}")
         if in_torchrun() or dist.is_initialized():
             raise ValueError("--world-size spawns its own processes; under torchrun leave it out")
         return Launched(run_ranks(world_size, fn, opts)[0], True)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+from echo_tp.paths import writing
+
 COLUMNS = ("step", "tokens", "lr", "loss", "grad_norm", "val_loss", "elapsed_s")
 
 
@@ -20,13 +22,13 @@ class LossLog:
 
     def append(self, **row) -> None:
         self.rows.append(row)
-        with self.path.open("a", newline="") as f:
+        with writing(self.path), self.path.open("a", newline="") as f:
             csv.writer(f).writerow(["" if row.get(c) is None else row[c] for c in COLUMNS])
 
     def set_val(self, val_loss: float) -> None:
         """Attach a validation loss to the last row (rewrites the file)."""
         self.rows[-1]["val_loss"] = val_loss
-        with self.path.open("w", newline="") as f:
+        with writing(self.path), self.path.open("w", newline="") as f:
             w = csv.writer(f)
             w.writerow(COLUMNS)
             for row in self.rows:

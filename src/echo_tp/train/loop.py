@@ -60,11 +60,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from echo_tp.models import load_tokens
-from echo_tp.models.tokenize import separator_id
+from echo_tp.models.checkpoint import check_shards
+from echo_tp.models.tokenize import check_token_file, separator_id
+from echo_tp.paths import check_dir_target, writing
 from echo_tp.telemetry import Telemetry
 from echo_tp.tp import (SIM_PATHS, clip_grad_norm_, grad_norm, parse_comm_spec,
                         sync_partial_grads)
-from echo_tp.tp.runtime import in_torchrun, launch, make_comm, rank_device
+from echo_tp.tp.runtime import check_group_args, in_torchrun, launch, make_comm, rank_device
 
 from .data import IGNORE, TokenBatches, eval_batches
 from .log import LossLog, TelemetryLog, plot_losses
@@ -297,11 +299,12 @@ def _rank_train(rank: int | None, world_size: int, o: TrainOptions) -> dict:
     out = Path(o.out_dir)
     log = None
     if main:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "train_config.json").write_text(json.dumps(
-            {**dataclasses.asdict(o), "world_size": world_size, "mode": built.mode,
-             "simulated": built.mode == "simulated", **ids, "comm_config": spec.as_dict(),
-             "model_config": built.config}, indent=2) + "\n")
+        with writing(out / "train_config.json"):
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "train_config.json").write_text(json.dumps(
+                {**dataclasses.asdict(o), "world_size": world_size, "mode": built.mode,
+                 "simulated": built.mode == "simulated", **ids, "comm_config": spec.as_dict(),
+                 "model_config": built.config}, indent=2) + "\n")
         log = LossLog(out / "log.csv")
     tlog = TelemetryLog(out / "telemetry.csv") if main and o.telemetry_every and comm else None
     bar = None
@@ -371,8 +374,9 @@ def _rank_train(rank: int | None, world_size: int, o: TrainOptions) -> dict:
             if bar is not None:
                 bar.set_postfix(loss=f"{state['loss']:.3f}", val=f"{val_loss:.3f}")
         if do_save:
-            save_checkpoint(built, out / "checkpoints" / f"step-{done}", main=main,
-                            dtype=o.save_dtype)
+            with writing(out / "checkpoints" / f"step-{done}"):
+                save_checkpoint(built, out / "checkpoints" / f"step-{done}", main=main,
+                                dtype=o.save_dtype)
         if last:
             break
     seconds = time.perf_counter() - t0
@@ -380,8 +384,9 @@ def _rank_train(rank: int | None, world_size: int, o: TrainOptions) -> dict:
         bar.close()
     if not main:
         return {}
-    plot = plot_losses(log.rows, out / "loss.png", title=f"{Path(o.model).name}, "
-                       f"TP={world_size} ({built.mode}), comm {spec.label}")
+    with writing(out / "loss.png"):
+        plot = plot_losses(log.rows, out / "loss.png", title=f"{Path(o.model).name}, "
+                           f"TP={world_size} ({built.mode}), comm {spec.label}")
     losses = [r["loss"] for r in log.rows]
     tail = losses[-min(100, len(losses)):]
     return {"comm": spec.label, "mode": built.mode, "steps": done, "planned_steps": o.steps,
@@ -418,8 +423,15 @@ def main(*, model: str, train_data: str, val_data: str | None = None, comm: str 
                      device=device, amp=amp, progress=progress,
                      sequence_parallel=sequence_parallel, sim_path=sim_path,
                      telemetry_every=telemetry_every)
-    parse_comm_spec(o.comm)  # fail fast, before any process starts
+    check_group_args(simulate=simulate, world_size=world_size)
+    parse_comm_spec(o.comm)  # fail fast, before any process starts or the model is built
     model_config(o.model, o.model_fields)
+    if is_hf_dir(o.model) and any(Path(o.model).glob("*.safetensors")):
+        check_shards(o.model)
+    check_token_file(o.train_data, "--train-data")
+    if o.val_data:
+        check_token_file(o.val_data, "--val-data")
+    check_dir_target(o.out_dir, "--out-dir")
     data_ids(o)
     if simulate is None and world_size is None and not in_torchrun():
         simulate = 1  # a group of one: the plain model, in this process
