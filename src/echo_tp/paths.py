@@ -41,13 +41,7 @@ def check_file_target(path: str | Path, what: str) -> None:
             raise ValueError(f"{what} {path}: the file exists and cannot be written "
                              "(permissions); pick another path")
         return
-    parent = _first_existing(p)
-    if not parent.is_dir():
-        raise ValueError(f"{what} {path}: cannot write there ({parent} is a file, not a "
-                         "directory); pick another path")
-    if not _writable_dir(parent):
-        raise ValueError(f"{what} {path}: cannot write there ({parent} is not a writable "
-                         "directory); pick another path")
+    _check_parent(p, what, "cannot write there")
 
 
 def check_dir_target(path: str | Path, what: str) -> None:
@@ -60,13 +54,18 @@ def check_dir_target(path: str | Path, what: str) -> None:
         if not _writable_dir(p):
             raise ValueError(f"{what} {path} is not a writable directory; pick another one")
         return
+    _check_parent(p, what, "cannot create it")
+
+
+def _check_parent(p: Path, what: str, verb: str) -> None:
+    """ValueError unless the nearest existing folder above p is a writable directory."""
     parent = _first_existing(p)
     if not parent.is_dir():
-        raise ValueError(f"{what} {path}: cannot create it ({parent} is a file, not a "
-                         "directory); pick another path")
+        raise ValueError(f"{what} {p}: {verb} ({parent} is a file, not a directory); pick "
+                         "another path")
     if not _writable_dir(parent):
-        raise ValueError(f"{what} {path}: cannot create it ({parent} is not a writable "
-                         "directory); pick another path")
+        raise ValueError(f"{what} {p}: {verb} ({parent} is not a writable directory); pick "
+                         "another path")
 
 
 @contextlib.contextmanager

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from ..norm import LANES
+from .flags import gated
 from .launcher import launch
 from .quant_kernels import DTYPE_KIND, _cast_out, _load_f32
 
@@ -37,6 +38,39 @@ def _as_f32(v, KIND: tl.constexpr):
     else:
         out = v.to(tl.float32)
     return out
+
+
+@triton.jit
+def _inv_rms(acc, H, eps, L: tl.constexpr):
+    """Lane partial sums of squares [L] (L = 256) -> 1 / sqrt(sum / H + eps) [1]: the lanes
+    halved pairwise down to one sum (norm.sum_of_squares' order), IEEE division and root."""
+    acc = _halve(acc, L)
+    acc = _halve(acc, L // 2)
+    acc = _halve(acc, L // 4)
+    acc = _halve(acc, L // 8)
+    acc = _halve(acc, L // 16)
+    acc = _halve(acc, L // 32)
+    acc = _halve(acc, L // 64)
+    acc = _halve(acc, L // 128)                             # [1] for L = 256
+    ss = tl.math.div_rn(acc, tl.full([1], 1.0, tl.float32) * H) + eps
+    return tl.math.div_rn(tl.full([1], 1.0, tl.float32), tl.math.sqrt_rn(ss))
+
+
+@triton.jit
+def _normalize_row(r_ptr, w_ptr, out_ptr, row, H, chunks, inv, ok, X_KIND: tl.constexpr,
+                   W_KIND: tl.constexpr, O_KIND: tl.constexpr, L: tl.constexpr):
+    """normed = cast_o(w * cast(v * inv)) over the row of r (v = r in fp32) in chunks of L,
+    stored where ok (a scalar)."""
+    lanes = tl.arange(0, L)
+    c = 0
+    while c < chunks:
+        offs = c * L + lanes
+        m = offs < H
+        v = _load_f32(r_ptr + row + offs, m, X_KIND)
+        xn = _as_f32(_cast_out(v * inv, X_KIND), X_KIND)
+        w = _load_f32(w_ptr + offs, m, W_KIND)
+        tl.store(out_ptr + row + offs, _cast_out(w * xn, O_KIND), mask=gated(m, ok))
+        c += 1
 
 
 @triton.jit
@@ -62,26 +96,8 @@ def rmsnorm_kernel(y_ptr, res_ptr, w_ptr, out_ptr, rout_ptr, H, chunks, eps,
             v = _load_f32(y_ptr + row + offs, m, X_KIND)
         acc = acc + tl.where(m, v * v, 0.0)
         c += 1
-    acc = _halve(acc, L)
-    acc = _halve(acc, L // 2)
-    acc = _halve(acc, L // 4)
-    acc = _halve(acc, L // 8)
-    acc = _halve(acc, L // 16)
-    acc = _halve(acc, L // 32)
-    acc = _halve(acc, L // 64)
-    acc = _halve(acc, L // 128)                             # [1] for L = 256
-    one = tl.full([1], 1.0, tl.float32)
-    ss = tl.math.div_rn(acc, tl.full([1], 1.0, tl.float32) * H) + eps
-    inv = tl.math.div_rn(one, tl.math.sqrt_rn(ss))
-    c = 0
-    while c < chunks:                                       # pass 2: normalize, scale
-        offs = c * L + lanes
-        m = offs < H
-        v = _load_f32(rout_ptr + row + offs, m, X_KIND)
-        xn = _as_f32(_cast_out(v * inv, X_KIND), X_KIND)
-        w = _load_f32(w_ptr + offs, m, W_KIND)
-        tl.store(out_ptr + row + offs, _cast_out(w * xn, O_KIND), mask=m)
-        c += 1
+    _normalize_row(rout_ptr, w_ptr, out_ptr, row, H, chunks, _inv_rms(acc, H, eps, L), True,
+                   X_KIND, W_KIND, O_KIND, L)                # pass 2: normalize, scale
 
 
 def add_rmsnorm(y: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

@@ -49,7 +49,7 @@ from ..norm import LANES, MAX_HIDDEN
 from .allreduce_kernels import _buffer
 from .launcher import launch
 from .flags import gated, signal, wait_geq
-from .norm_kernels import _as_f32, _halve
+from .norm_kernels import _as_f32, _inv_rms, _normalize_row
 from .quant_kernels import DTYPE_KIND, _cast_out, _load_f32
 
 TILE = 2048
@@ -209,25 +209,8 @@ def oneshot_add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, rout_ptr, epochs_
                 v = _as_f32(r, X_KIND)
                 acc = acc + tl.where(m, v * v, 0.0)
                 k += 1
-            acc = _halve(acc, L)
-            acc = _halve(acc, L // 2)
-            acc = _halve(acc, L // 4)
-            acc = _halve(acc, L // 8)
-            acc = _halve(acc, L // 16)
-            acc = _halve(acc, L // 32)
-            acc = _halve(acc, L // 64)
-            acc = _halve(acc, L // 128)                            # [1] for L = 256
-            ss = tl.math.div_rn(acc, tl.full([1], 1.0, tl.float32) * H) + eps
-            inv = tl.math.div_rn(tl.full([1], 1.0, tl.float32), tl.math.sqrt_rn(ss))
-            k = 0
-            while k < chunks:                  # pass 2: normalize, scale (the row L2-hot)
-                offs = k * L + lanes
-                m = offs < H
-                v = _load_f32(rout_ptr + row + offs, m, X_KIND)
-                xn = _as_f32(_cast_out(v * inv, X_KIND), X_KIND)
-                w = _load_f32(w_ptr + offs, m, W_KIND)
-                tl.store(out_ptr + row + offs, _cast_out(w * xn, O_KIND), mask=gated(m, ok))
-                k += 1
+            _normalize_row(rout_ptr, w_ptr, out_ptr, row, H, chunks, _inv_rms(acc, H, eps, L),
+                           ok, X_KIND, W_KIND, O_KIND, L)   # pass 2: normalize, scale (L2-hot)
             t += G
     if PHASES != 2:
         tl.debug_barrier()
