@@ -1,7 +1,8 @@
 """benchmarks/perf_model.py (CPU, pure Python, reads docs/results/raw/): the fitted model holds
 the P=2 calibration points within its stated error, its fitted rates are physical, its
-predictions behave (monotone in size and link rate), and the bytes and kernel forms it assumes
-are the ones the code moves and routes."""
+predictions behave (monotone in size and link rate), its floors are the recorded one-GPU rows
+of the shapes the routing picks, and the bytes, kernel forms and tile shapes it assumes are the
+ones the code moves and routes."""
 import json
 import sys
 from pathlib import Path
@@ -45,7 +46,9 @@ def test_fit_is_physical(model):
     sm = pm.link_ceilings()["sm_push_GBps"]
     assert 0.85 * sm <= p["R"] <= pm.link_ceilings()["ce_push_GBps"]  # at the measured link
     assert 0.0 < p["L"] < 0.1                                         # ms per call
-    assert 0.8 < p["k_unc"] < 1.1 and 0.6 < p["k_comp"] < p["k_unc"]
+    assert 0.8 < p["k_unc"] < 1.1 and 0.8 < p["k_comp"] < 1.1
+    # the floors ran every kernel at the step its routing used, so one factor fits both
+    assert abs(p["k_comp"] - p["k_unc"]) < 0.05
     assert p["rms_rel_err"] < 0.07
 
 
@@ -94,12 +97,18 @@ def test_link_bytes_are_the_wire_bytes():
     assert pm.packet_bytes(128, 4) == 68 and pm.packet_bytes(128, 8) == 132
 
 
-def test_forms_are_the_routed_ones():
-    """The model's one-launch / serial choice is routing's for every predicted call."""
+def test_forms_and_shapes_are_the_routed_ones(model):
+    """The model's one-launch / serial choice and tile shape are routing's for every predicted
+    call, and its copies of the tables are the tables."""
     from echo_tp.collective import routing, tuning
     from echo_tp.config import EchoConfig
+    floors, _, p = model
     assert pm.OVERLAP_LAUNCH_MAX == {b: m.value for b, m in
                                      tuning.OVERLAP_LAUNCH_MAX_BYTES.entries.items()}
+    shape = tuning.DEFAULT.shape
+    assert pm.STEP["new"] == {c: m.value for c, m in shape.step_elems.items()}
+    assert pm.TILES_PER_SEGMENT == shape.tiles_per_segment[False].value
+    assert pm.TILE_MAX == shape.tile_max.value
     cfgs = {"u4": EchoConfig(bits=4, eta=0.0), "u8": EchoConfig(bits=8, eta=0.0),
             "c4": EchoConfig(bits=4)}
     for P in pm.WORLDS:
@@ -110,19 +119,48 @@ def test_forms_are_the_routed_ones():
                 assert (r.backend, r.form) == ("p2p", "staged"), (P, s, name, r)
                 want = "launch" if r.overlap == "launch" else "serial"
                 assert pm.route_form(s * MiB, name) == want, (P, s, name)
+                st = pm.stage_times(P, s * MiB, name, p, floors)
+                assert st["shape"] == (r.tile, r.step), (P, s, name)
+                assert not st["shape_substituted"]           # every routed shape measured
+    for seg in (128, 3 * 4096, 1 << 20, 5 << 22, 1 << 30):
+        for comp in (False, True):
+            assert pm.routed_shape(seg, comp) == routing.tile_shape(seg, comp, False)
 
 
-def test_old_floors_are_slower_and_extrapolation_is_marked(model):
-    floors, _, _ = model
-    for cfg in pm.CONFIGS:
-        new, _ = floors.floor(2, 1 << 28, cfg, "new")
-        old, _ = floors.floor(2, 1 << 28, cfg, "old")
-        assert all(o < n for o, n in zip(old, new))          # issue 15 made every stage slower
-        assert 1.05 < sum(new) / sum(old) < 1.25
-    assert not floors.floor(8, 1 << 29, "u4")[1]
-    assert floors.floor(8, 1 << 29, "u8")[1] and floors.floor(8, 1 << 29, "c4")[1]
-    with pytest.raises(ValueError):
-        floors.floor(4, 1 << 29, "u4", "old")
+def _rows(name):
+    """(P, numel, config, tile, step) -> (entry, reduce, tail) read straight from a raw file."""
+    d = json.loads((pm.RAW / name).read_text())
+    return d, {(r["P"], r["numel"], r["config"], r["tile"], r["step"]):
+               (r["entry_ms"], r["reduce_ms"], r["tail_ms"]) for r in d["rows"]}
+
+
+def test_floors_are_the_recorded_rows_of_the_routed_shape():
+    """At the measured sizes the floors are the raw rows (b6eabc5's and today's, every P and
+    config) of the shape each version's routing picks; the '-64m' files hold 2^26 values per
+    rank (128 MiB of bf16, their copy 128 MiB); the proportional law scales the 1 GiB row."""
+    prop, aff = pm.Floors("proportional"), pm.Floors("affine")
+    for (v, n), name in pm.FLOOR_FILES.items():
+        d, rows = _rows(name)
+        assert {k[1] for k in rows} == {n}
+        if "copy" in d:
+            assert d["copy"]["copy_bytes"] == 2 * n
+        for P in pm.WORLDS:
+            for cfg, (_, comp, prof) in pm.CONFIGS.items():
+                tile, step = pm.routed_shape(pm.segment_len(n, P), comp, v)
+                got, info = aff.floor(P, n, cfg, v)
+                if (P, n, prof, tile, step) not in rows:
+                    assert info["substituted"]
+                    continue
+                assert got == pytest.approx(rows[(P, n, prof, tile, step)], rel=1e-12)
+                if n == pm.N1:
+                    assert prop.floor(P, n, cfg, v)[0] == rows[(P, n, prof, tile, step)]
+    _, new1 = _rows(pm.FLOOR_FILES[("new", pm.N1)])
+    f, _ = prop.floor(4, pm.N1 // 4, "u4")                # 256 MiB: routed 16384s4096 still
+    assert f == pytest.approx(tuple(x / 4 for x in new1[(4, pm.N1, "u4", 16384, 4096)]))
+    # the one routed shape of a calibration point that was not measured is marked
+    subs = [(r["config"], r["bytes"]) for r in pm.calibration(
+        pm.fit(prop, pm.p2_points()), prop, pm.p2_points()) if r["shape_substituted"]]
+    assert subs == [("c4", 64 * MiB)]
 
 
 def test_cli_writes_json_and_markdown(tmp_path, monkeypatch):
@@ -130,5 +168,8 @@ def test_cli_writes_json_and_markdown(tmp_path, monkeypatch):
     pm.main()
     res = json.loads((tmp_path / "perf_model.json").read_text())
     assert len(res["predictions"]) == len(pm.WORLDS) * len(pm.SIZES_MIB) * len(pm.CONFIGS)
+    quoted = {(r["P"], r["bytes"]): r["nccl_quoted_ms"] for r in res["predictions"]
+              if r["nccl_quoted_ms"] is not None}
+    assert quoted == {(4, 1 << 30): 4.63, (4, 64 * MiB): 0.38}
     md = (tmp_path / "perf_model.md").read_text()
     assert "| 4 | 1 GiB | " in md and "(ring)" in md and "| 8 | 64 MiB | " in md
