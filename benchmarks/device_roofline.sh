@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One call on nvidia-h200 (one GPU) for the kernel-roofline work (issue 27): the compiled kernels
 # against the torch reference (tests/test_kernels_gpu.py) while every stage-profile variant is
-# compiled in parallel (Triton's cache; 64 MiB specializes like 1 GiB), then, serially, the
+# compiled in parallel (Triton's cache; 2^26 values specialize like 2^29), then, serially, the
 # entry ladder (benchmarks/entry_ladder.py), the decode boundary (benchmarks/decode_boundary.py)
 # and the per-stage floors of this tree and of OLD_SRC
-# at 64 MiB and 1 GiB per rank, P=2/4/8, the HBM copy in the same run. Results under $OUT.
+# at 2^26 and 2^29 values (128 MiB and 1 GiB of bf16) per rank, P=2/4/8, the HBM copy in the same
+# run. Results under $OUT.
 #   OLD_SRC=.work/old_b6e bash benchmarks/device_roofline.sh      (carry .work/old_b6e)
 # OLD_SRC is an older checkout's root (its src/ and its own benchmarks/stage_profile.py).
 # Knobs: WORLDS, CONFIGS, NEW_SHAPES, OLD_SHAPES, TESTS (0: skip the GPU tests), TEST_TIMEOUT,
@@ -24,7 +25,7 @@ if [ "${TESTS:-1}" = 1 ]; then
     > $OUT/pytest_kernels_gpu.txt 2>&1 &
   TESTS_PID=$!
 fi
-# warm-up: one process per (tree, P, config, shape), 14 at a time, one rep at 64 MiB
+# warm-up: one process per (tree, P, config, shape), WARM_JOBS at a time, one rep at 2^26 values
 jobs=$(mktemp)
 for P in ${WORLDS//,/ }; do for c in ${CONFIGS//,/ }; do
   for s in ${NEW_SHAPES//,/ }; do echo "$PWD/src $PWD/benchmarks $P $c $s" >> $jobs; done

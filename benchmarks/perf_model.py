@@ -114,9 +114,9 @@ NS = 64 << 20            # 2^26 values: 128 MiB of bf16 (--numel 67108864, the '
 VERSIONS = ("old", "new")
 FLOOR_FILES = {  # (kernel version, values per rank) -> file; one device call, one H200
     ("new", N1): "2026-12-02-stages-roofline-new-1g.json",
-    ("new", NS): "2026-12-02-stages-roofline-new-64m.json",
+    ("new", NS): "2026-12-02-stages-roofline-new-128m.json",
     ("old", N1): "2026-12-02-stages-roofline-old-1g.json",
-    ("old", NS): "2026-12-02-stages-roofline-old-64m.json",
+    ("old", NS): "2026-12-02-stages-roofline-old-128m.json",
 }
 LINK_FILE = "2026-11-29-p2p-x2.json"
 
