@@ -65,7 +65,7 @@ def _eval(sub):
     p.add_argument("--comms", nargs="+", default=["16", "8", "4", "echo4"],
                    help="comm specs NAME[:KEY=VALUE,...], e.g. 16 4 echo4 early8 "
                    "'echo4:eta=0.9,quantizer=naive' (keys: bits g quantizer eta a beta1 beta2 "
-                   "residual grad_scaling policy)")
+                   "residual grad_scaling state_dtype policy edge_bits gather_bits)")
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--stride", type=int, default=None,
                    help="window stride (default: --context, non-overlapping windows)")

@@ -57,8 +57,8 @@ from echo_tp.models.tokenize import (DEFAULT_EOS, check_token_file, resolve_toke
                                      separator_id, token_file_info)
 from echo_tp.paths import check_file_target, writing
 from echo_tp.tp import parallelize, parse_comm_specs, set_comm
-from echo_tp.tp.policy import (average_wire_bits, edge_width, gather_width, make_policy,
-                               telemetry_budget, telemetry_policy, wire_bits_per_value)
+from echo_tp.tp.policy import (average_wire_bits, calibration_plan, site_width, telemetry_budget,
+                               telemetry_policy, wire_bits_per_value)
 from echo_tp.tp.runtime import check_group_args, launch, make_comm, rank_device
 
 from .lastword import target_spans, token_classes, word_hits
@@ -264,7 +264,7 @@ def _rank_eval(rank: int | None, world_size: int, opts: EvalOptions) -> list[dic
         from echo_tp.hf.plan import text_config
         first = make_comm(rank, world_size, specs[0].config)
         model = load_hf_tp(opts.model, first, rank, dtype=DTYPES[opts.dtype], device=device,
-                           policy=specs[0].policy)
+                           policy=specs[0].widths)
         vocab_size = text_config(model).vocab_size
         forward = lambda x: model(x, use_cache=False).logits  # noqa: E731 - [B, T, V]
     else:
@@ -291,19 +291,20 @@ def _rank_eval(rank: int | None, world_size: int, opts: EvalOptions) -> list[dic
         bar = tqdm(total=len(windows) * len(specs), desc="eval", unit="win")
     results, scores = [], []
     for i, spec in enumerate(specs):
-        policy, extra = spec.policy, {}
-        if telemetry_budget(policy) is not None:
-            policy, extra = _calibrate(forward, model, rank, world_size, spec, calib, opts,
-                                       device, first_use=i == 0 and not hf)
+        widths, extra = spec.widths, {}
+        if telemetry_budget(widths.policy) is not None:
+            table, extra = _calibrate(forward, model, rank, world_size, spec, calib, opts,
+                                      device, first_use=i == 0 and not hf)
+            widths = widths.replace(policy=table)
         if i == 0 and hf:
             comm = first  # load_hf_tp parallelized with it
         else:
             comm = make_comm(rank, world_size, spec.config)
         if i == 0 and not hf and not extra:
-            parallelize(model, comm, rank, policy=policy,
+            parallelize(model, comm, rank, policy=widths,
                         sequence_parallel=opts.sequence_parallel)
         elif i > 0 or extra:
-            set_comm(model, comm, policy=policy)
+            set_comm(model, comm, policy=widths)
         if bar is not None:
             bar.set_postfix_str(spec.label)
         t0 = time.perf_counter()
@@ -340,7 +341,7 @@ def _reference_model(opts: EvalOptions, rank, world_size: int, device, hf: bool)
 
 def _calibration_windows(opts: EvalOptions, specs, vocab_size: int):
     """(tokens, windows) of the calibration pass of telemetry policies (None if none asks)."""
-    if not any(telemetry_budget(s.policy) is not None for s in specs):
+    if not any(telemetry_budget(s.widths.policy) is not None for s in specs):
         return None
     data = opts.calibration_data or opts.data
     tokens = load_eval_tokens(data, model_spec=opts.model, tokenizer=opts.tokenizer)
@@ -351,14 +352,15 @@ def _calibration_windows(opts: EvalOptions, specs, vocab_size: int):
 
 
 def _calibrate(forward, model, rank, world_size, spec, calib, opts, device, *, first_use):
-    """One telemetry pass at the spec's own width at every site (no edge rule) -> (its
-    {site: bits} table, row fields)."""
-    score, budget = telemetry_budget(spec.policy)
-    comm = make_comm(rank, world_size, spec.config.replace(edge_bits=0), telemetry=True)
+    """One telemetry pass at the spec's own width at every site (policy.calibration_plan) ->
+    (its {site: bits} table, row fields)."""
+    score, budget = telemetry_budget(spec.widths.policy)
+    comm = make_comm(rank, world_size, spec.config, telemetry=True)
+    widths = calibration_plan(spec.widths)
     if first_use:
-        parallelize(model, comm, rank, sequence_parallel=opts.sequence_parallel)
+        parallelize(model, comm, rank, policy=widths, sequence_parallel=opts.sequence_parallel)
     else:
-        set_comm(model, comm)
+        set_comm(model, comm, policy=widths)
     tokens, windows = calib
     window_scores(forward, tokens, windows, batch_size=opts.batch_size, device=device,
                   context=opts.context, bos_id=opts.bos_id)
@@ -416,12 +418,12 @@ def _add_statistics(results, scores, tokens, windows, opts: EvalOptions, n_layer
 
 def _policy_wire_bits(spec, n_layers: int, sequence_parallel: bool = False) -> float:
     """Average wire bits per value of a preset policy (every site the same size); sequence-
-    parallel: each site's reduce-scatter and all-gather (gather_width) move the same values."""
-    fn = make_policy(spec.policy, n_layers)
-    widths = [edge_width(spec.config, fn(s), s, n_layers) for s in range(2 * n_layers)]
-    bits = [wire_bits_per_value(spec.config, b) for b in widths]
-    if sequence_parallel:
-        bits += [wire_bits_per_value(spec.config, gather_width(spec.config, b)) for b in widths]
+    parallel: each site's reduce-scatter and all-gather move the same values."""
+    plan = spec.widths.resolved(n_layers)
+    kinds = ("reduce", "gather") if sequence_parallel else ("reduce",)
+    bits = [wire_bits_per_value(spec.config, site_width(plan, s, bits=spec.config.bits,
+                                                        n_layers=n_layers, kind=kind))
+            for kind in kinds for s in range(2 * n_layers)]
     return sum(bits) / len(bits)
 
 

@@ -278,7 +278,7 @@ def _rank_train(rank: int | None, world_size: int, o: TrainOptions) -> dict:
     spec = parse_comm_spec(o.comm)
     comm = None if world_size == 1 else make_comm(rank, world_size, spec.config)
     built = build_model(o.model, o.model_fields, seed=o.seed, comm=comm, rank=rank,
-                        world_size=world_size, device=device, policy=spec.policy,
+                        world_size=world_size, device=device, policy=spec.widths,
                         sequence_parallel=o.sequence_parallel, sim_path=o.sim_path)
     model = built.model
     forward = prepare_forward(built, o.compile)
