@@ -60,14 +60,11 @@ from .collective.inband import CallLengthMismatch
 from .collective.reference import DistTransport, group_wait_s
 from .collective.simulated import SimTransport
 from .compensator import PassState
-from .config import DIRECTIONS, EchoConfig, check_bits
+from .config import DIRECTIONS, DTYPES, KINDS, EchoConfig, check_bits
 from .telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-KINDS = ("all_reduce", "reduce_scatter", "all_gather")
-"""The collectives a communicator runs (part of each call's signature)."""
 MAX_STREAMS = 16
 """Compensator state streams (distinct tensor sizes) one direction keeps; the oldest beyond."""
 MAX_CHECKED = 4096
@@ -281,7 +278,7 @@ class EchoCommunicator:
     def _all_reduce(self, x, direction, bits, inplace, residual=None, norm=None):
         """-> (y, added): added=True when residual was given and the backend returned
         residual + y instead of y; with norm=(weight, eps) too, where the call's backend runs
-        the whole boundary (Dispatcher.boundary_backend): ((normed, residual_out), "normed")."""
+        the whole boundary (Dispatcher.run_boundary): ((normed, residual_out), "normed")."""
         _check_direction(direction)
         self._check_input(x, "all_reduce")
         cfg = self.config_for(bits)
@@ -298,13 +295,9 @@ class EchoCommunicator:
         record = self.telemetry is not None and cfg.quantized
         inplace = inplace and x.is_contiguous() and (flat is x or flat.data_ptr() == x.data_ptr())
         if norm is not None and residual is not None and not record and not self.simulated:
-            b = self.dispatcher.boundary_backend(flat, cfg)
-            if b is not None:
-                rows = flat.view(-1, x.shape[-1])
-                res = residual.reshape(rows.shape).contiguous()
-                if b.add_rmsnorm_unfit(rows, res, norm[0]) is None:
-                    normed, rout = b.run_add_rmsnorm(rows, res, norm[0], norm[1])
-                    return (normed.reshape(x.shape), rout.reshape(x.shape)), "normed"
+            done = self.dispatcher.run_boundary(flat, cfg, residual, norm[0], norm[1])
+            if done is not None:
+                return tuple(t.reshape(x.shape) for t in done), "normed"
         added = residual is not None and not record and self.dispatcher.adds_residual(flat, cfg)
         with self._in_band(inband, flat, cfg, direction, "all_reduce"):
             y, rec = self.dispatcher.run(flat, cfg, state=state,

@@ -9,8 +9,10 @@ import dataclasses
 import functools
 import math
 import struct
-from types import SimpleNamespace
 from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
 
 QUANTIZERS = ("zero_aware", "naive", "symmetric")
 STATE_DTYPES = ("float32", "bfloat16", "float64")
@@ -20,6 +22,10 @@ stored value is rounded once to bf16 (round to nearest even). float64: for analy
 RESIDUAL_MODES = ("output", "local")
 BITS = (4, 8, 16)
 DIRECTIONS = ("forward", "backward")
+KINDS = ("all_reduce", "reduce_scatter", "all_gather")
+"""The collectives a communicator runs (part of each call's signature)."""
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+"""The input dtypes every collective takes (the fast kernels' too: kernels/fits.py)."""
 
 
 class ConfigTypeError(TypeError, ValueError):
@@ -233,4 +239,4 @@ def _constants(eta: float, a: float, beta1: float, beta2: float) -> CompensatorC
 
 
 __all__ = ["EchoConfig", "QuantSpec", "ConfigTypeError", "check_bits", "CompensatorConstants",
-           "QUANTIZERS", "RESIDUAL_MODES", "DIRECTIONS"]
+           "QUANTIZERS", "RESIDUAL_MODES", "DIRECTIONS", "KINDS", "DTYPES"]

@@ -16,17 +16,20 @@ from .. import envs
 from ..compensator import CompState
 from ..config import EchoConfig
 from . import tuning
+from .backend import Backend
 from .qar import StepRecord
 from .routing import Route
 from .symm import SymmetricBuffer, agreed_sm_count, select_symm_backend
 
 
-class OneShotBackend:
+class OneShotBackend(Backend):
     """Runs the calls routed to 'oneshot' (messages up to `cap_bytes` per rank, the routing
-    table's cap); the buffer is allocated at the first call (a collective moment: every rank
-    makes the same call)."""
+    table's cap) and, where it takes them, whole decode block boundaries (`run_add_rmsnorm`);
+    the buffer is allocated at the first call (a collective moment: every rank makes the same
+    call)."""
 
     name = "oneshot"
+    offers = frozenset({"all_reduce", "add_rmsnorm"})
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, cap_bytes: int,
                  num_warps: int = 4,
@@ -60,10 +63,13 @@ class OneShotBackend:
                          num_warps=self.num_warps)
         return y, None
 
-    def add_rmsnorm_unfit(self, x: torch.Tensor, residual: torch.Tensor,
-                          weight: torch.Tensor) -> str | None:
-        """Why run_add_rmsnorm cannot take this boundary (None when it can; x [rows, H])."""
-        return self._ok.add_rmsnorm_unfit(x, residual, weight, self._lay)
+    def declines(self, op, x, cfg, *, state=None, residual=None, weight=None) -> str | None:
+        """The contract's answer; for 'add_rmsnorm' (x, residual [rows, H], weight [H]) also
+        the kernel's (oneshot_kernels.add_rmsnorm_unfit: row width, buffer, row flags)."""
+        why = super().declines(op, x, cfg, state=state, residual=residual, weight=weight)
+        if why is None and op == "add_rmsnorm":
+            why = self._ok.add_rmsnorm_unfit(x, residual, weight, self._lay)
+        return why
 
     def run_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                         eps: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,7 +14,7 @@ With `residual=` (a block boundary: comm.all_reduce_add_rmsnorm) the kernels tha
 reduce's own segment, the tail) write residual + y instead, torch's `residual + y` bit for bit,
 so the boundary's add costs no pass of its own (the state updates still read y).
 
-The halves (sequence parallelism; routing.route_half; unfused equivalent
+The halves (sequence parallelism; routing.route of a half's Call; unfused equivalent
 collective/sharded.py) run the stage kernels on the layout of the all-reduce of P*m values
 (kernels/allreduce_plan.py), always staged:
 
@@ -44,7 +44,9 @@ import torch.distributed as dist
 from .. import envs
 from ..compensator import CompState
 from ..config import EchoConfig
+from ..kernels.fits import fits
 from . import tuning
+from .backend import COLLECTIVES, Backend
 from .qar import StepRecord, compensated_all_reduce, grad_scale
 from .reference import DistTransport
 from .routing import Route
@@ -108,13 +110,13 @@ class _HalfWorkspaces:
         self._next_call(self.epoch, self.tables, self.table)
 
 
-class P2PBackend:
+class P2PBackend(Backend):
     """Runs the calls routed to 'p2p' (`run`, `reduce_scatter`, `all_gather`); `close` drops
-    the buffers."""
+    the buffers. Offers 'residual' too: run(residual=r) returns r + y, the add done by the
+    kernels that write y."""
 
     name = "p2p"
-    adds_residual = True
-    """run(residual=r) returns r + y, the add done by the kernels that write y."""
+    offers = COLLECTIVES | {"residual"}
 
     def __init__(self, group: dist.ProcessGroup | None = None,
                  shape: tuning.KernelShape = tuning.DEFAULT.shape):
@@ -168,7 +170,7 @@ class P2PBackend:
                        backward: bool, route: Route) -> torch.Tensor:
         """x [P*m] -> this rank's chunk of the sum, y [m] in x's dtype; state (m1, m2 [P*m])
         updated in place: sharded.compensated_reduce_scatter over DistTransport, bit for bit
-        (route: routing.route_half's, staged)."""
+        (route: routing.route's for the half, staged)."""
         plan, _, y = self.prepare(x, cfg, route, state=state, backward=backward,
                                   half="reduce_scatter")
         plan.entry()
@@ -179,7 +181,7 @@ class P2PBackend:
                    backward: bool, route: Route) -> torch.Tensor:
         """x [m] (this rank's shard) -> y [P*m], every shard in rank order, the same on every
         rank; state (m1, m2 [m]) updated in place: sharded.compensated_all_gather over
-        DistTransport, bit for bit (route: routing.route_half's, staged)."""
+        DistTransport, bit for bit (route: routing.route's for the half, staged)."""
         plan, _, y = self.prepare(x, cfg, route, state=state, backward=backward,
                                   half="all_gather")
         plan.encode()
@@ -195,8 +197,7 @@ class P2PBackend:
         x [m]) on the kind's workspace pair, the call's workspace picked."""
         self._flags.raise_if_set(self._err, self._err_np)
         P = self.world_size
-        why = self._plan.supported(x, cfg, state, residual) if half is None else \
-            self._plan.supported_half(half, x, cfg, P, state)
+        why = fits(half or "all_reduce", x, cfg, world_size=P, state=state, residual=residual)
         fused = route.form == "fused"
         if why is None and half is not None and fused:
             why = "the halves run the stage kernels only (route form 'staged')"

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import torch
 
+from ..compensator import CompState
+from ..kernels.fits import fits
+from .backend import Backend
+
 
 class SimTransport:
     """Packets of P virtual ranks, batch dim first: [P(rank), ...]."""
@@ -68,7 +72,7 @@ class SimTransport:
         return x.reshape(1, -1).expand(self.world_size, -1).clone()
 
 
-class FusedSimBackend:
+class FusedSimBackend(Backend):
     """Simulated calls on a GPU through the fused p2p kernels (kernels/simulated_fused.py: the
     entry, reduce and tail stages of every virtual rank over per-rank buffers, bit-identical to
     the reference: tests/test_p2p_gpu.py), with the tile shape the routing policy picks for a
@@ -80,8 +84,8 @@ class FusedSimBackend:
     one is enough).
     Everything else goes to `reference` (a TransportBackend over SimTransport, the same bits):
     CPU tensors, bits=16, telemetry (the kernels leave no StepRecord), and calls the kernels
-    do not take (kernels.allreduce_plan.supported; for the halves supported_half: chunks of a
-    whole number of quantization groups)."""
+    do not take (kernels/fits.fits of virtual rank 0's row: for the halves chunks of a whole
+    number of quantization groups)."""
 
     name = "simulated-fused"
 
@@ -92,38 +96,30 @@ class FusedSimBackend:
 
     def run(self, x: torch.Tensor, cfg, *, state, backward: bool, record: bool,
             inplace: bool = False, route=None):
-        if not (x.is_cuda and cfg.quantized and not record and x.dim() == 2
-                and x.is_contiguous()):
-            return self.reference.run(x, cfg, state=state, backward=backward, record=record,
-                                      inplace=inplace)
-        from ..kernels.allreduce_plan import supported
-        from .routing import config_unfit
-        if (config_unfit(cfg) is not None
-                or supported(x[0], cfg, None if state is None else _row(state)) is not None):
+        if record or not self._fits("all_reduce", x, cfg, state):
             return self.reference.run(x, cfg, state=state, backward=backward, record=record,
                                       inplace=inplace)
         return self._sim(x, cfg)(x, cfg, state=state, backward=backward), None
 
     def reduce_scatter(self, x, cfg, *, state, backward, route=None):
         """x [P, P*m] -> [P, m] (collective/sharded.py's semantics)."""
-        if not self._half_fits("reduce_scatter", x, cfg, state):
+        if not self._fits("reduce_scatter", x, cfg, state):
             return self.reference.reduce_scatter(x, cfg, state=state, backward=backward)
         return self._sim(x, cfg).reduce_scatter(x, cfg, state=state, backward=backward)
 
     def all_gather(self, x, cfg, *, state, backward, route=None):
         """x [P, m] -> [P, P*m] (collective/sharded.py's semantics)."""
-        if not self._half_fits("all_gather", x, cfg, state):
+        if not self._fits("all_gather", x, cfg, state):
             return self.reference.all_gather(x, cfg, state=state, backward=backward)
         return self._sim(x, cfg, self.world_size * x.shape[1]).all_gather(
             x, cfg, state=state, backward=backward)
 
-    def _half_fits(self, kind: str, x: torch.Tensor, cfg, state) -> bool:
-        if not (x.is_cuda and cfg.quantized and x.dim() == 2 and x.is_contiguous()):
+    def _fits(self, kind: str, x: torch.Tensor, cfg, state) -> bool:
+        """The kernels take this call of x [P, n]: a contiguous CUDA tensor whose rows fit."""
+        if not (x.is_cuda and x.dim() == 2 and x.is_contiguous()):
             return False
-        from ..kernels.allreduce_plan import supported_half
-        from .routing import config_unfit
-        return config_unfit(cfg) is None and supported_half(
-            kind, x[0], cfg, self.world_size, None if state is None else _row(state)) is None
+        row = None if state is None else CompState(state.m1[0], state.m2[0])
+        return fits(kind, x[0], cfg, world_size=self.world_size, state=row) is None
 
     def _sim(self, x: torch.Tensor, cfg, numel: int | None = None):
         """The simulation with the routing's tile shape for a call of numel values per rank
@@ -144,7 +140,3 @@ class FusedSimBackend:
     def close(self) -> None:
         self._sims.clear()
 
-
-def _row(state):
-    from ..compensator import CompState
-    return CompState(state.m1[0], state.m2[0])

@@ -9,7 +9,7 @@ flag a kernel waits for is already set. Runs wherever the kernels run: the CPU u
 TRITON_INTERPRET=1, or one GPU.
 
 The halves mirror collective/sharded.py over SimTransport the same way (allreduce_plan's
-module docstring; chunks of whole quantization groups only: allreduce_plan.supported_half):
+module docstring; chunks of whole quantization groups only: kernels/fits.py):
 
     reduce_scatter(x [P, P*m]) -> [P, m]      entry(all ranks) -> reduce(all)
     all_gather(x [P, m])       -> [P, P*m]    encode(all) -> tail(all), identical rows
@@ -20,7 +20,8 @@ import torch
 
 from ..compensator import CompState
 from ..config import EchoConfig, QuantSpec
-from .allreduce_plan import CallPlan, Layout, local_amax, supported_half
+from .allreduce_plan import CallPlan, Layout, local_amax
+from .fits import fits
 from .flags import describe_error, new_error_buffer
 
 
@@ -91,7 +92,7 @@ class SimulatedFused:
     def _half(self, kind: str, x: torch.Tensor, cfg: EchoConfig, state: CompState | None,
               backward: bool) -> torch.Tensor:
         P, n = self._ranks(x)
-        why = supported_half(kind, x[0], cfg, P, _rank_state(state, 0))
+        why = fits(kind, x[0], cfg, world_size=P, state=_rank_state(state, 0))
         if why is not None:
             raise ValueError(f"the kernels cannot run this {kind}: {why}")
         out = n // P if kind == "reduce_scatter" else n * P
