@@ -36,7 +36,7 @@ from echo_tp.collective.qar import compensated_all_reduce  # noqa: E402
 from echo_tp.collective.simulated import SimTransport  # noqa: E402
 from echo_tp.compensator import CompState  # noqa: E402
 from echo_tp.kernels import norm_kernels as nk  # noqa: E402
-from echo_tp.kernels import simulated_fused as sf  # noqa: E402
+from echo_tp.collective import simulated_fused as sf  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on NaN/Inf lanes
 EPS = 1e-6

@@ -409,7 +409,8 @@ def test_every_backend_keeps_the_contract():
     from echo_tp.collective.dispatch import PlainBackend, TransportBackend
     from echo_tp.collective.oneshot import OneShotBackend
     from echo_tp.collective.p2p import P2PBackend
-    from echo_tp.collective.simulated import FusedSimBackend, SimTransport
+    from echo_tp.collective.simulated import SimTransport
+    from echo_tp.collective.simulated_fused import FusedSimBackend
     offers = {TransportBackend: COLLECTIVES, PlainBackend: COLLECTIVES,
               FusedSimBackend: COLLECTIVES, P2PBackend: COLLECTIVES | {"residual"},
               OneShotBackend: {"all_reduce", "add_rmsnorm"}}

@@ -1,7 +1,7 @@
 """The reduce-scatter and all-gather halves on the stage kernels against their pure-torch
 reference, on the CPU under TRITON_INTERPRET=1 (issue 20 item 4). Compared bit for bit:
 
-  * kernels.simulated_fused.SimulatedFused.reduce_scatter (entry -> reduce with HALF=1 over P
+  * collective.simulated_fused.SimulatedFused.reduce_scatter (entry -> reduce with HALF=1 over P
     per-rank buffers: the owner sum stored as y, no requantization)  vs
     collective.sharded.compensated_reduce_scatter over SimTransport;
   * SimulatedFused.all_gather (encode = the reduce kernel with HALF=2, then the tail over all
@@ -39,7 +39,7 @@ from echo_tp.compensator import CompState  # noqa: E402
 from echo_tp.config import EchoConfig  # noqa: E402
 from echo_tp.kernels.allreduce_plan import next_call  # noqa: E402
 from echo_tp.kernels.fits import fits  # noqa: E402
-from echo_tp.kernels.simulated_fused import SimulatedFused  # noqa: E402
+from echo_tp.collective.simulated_fused import SimulatedFused  # noqa: E402
 
 SEED = int(os.environ.setdefault("ECHO_TEST_SEED", str(int.from_bytes(os.urandom(4), "little"))))
 G = 128

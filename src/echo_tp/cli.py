@@ -7,7 +7,11 @@ import traceback
 
 from safetensors import SafetensorError
 
-from . import envs
+from . import demo, envs
+from .eval import perplexity
+from .launch import RankError
+from .models import tokenize
+from .train import loop
 
 
 def _demo(sub):
@@ -22,8 +26,7 @@ def _demo(sub):
                    help="skip the perplexity table of the shipped trained model")
 
     def run(a):
-        from .demo import main
-        main(world_size=a.world_size, sites=a.sites, tokens=a.tokens, hidden=a.hidden,
+        demo.main(world_size=a.world_size, sites=a.sites, tokens=a.tokens, hidden=a.hidden,
              out=a.out, progress=not a.no_progress, with_model=not a.no_model)
     p.set_defaults(func=run)
 
@@ -42,8 +45,7 @@ def _tokenize(sub):
     p.add_argument("--seed", type=int, default=0, help="which documents are held out")
 
     def run(a):
-        from .models.tokenize import main
-        for path in main(a.inputs, a.tokenizer, a.out, val_fraction=a.val_fraction,
+        for path in tokenize.main(a.inputs, a.tokenizer, a.out, val_fraction=a.val_fraction,
                          val_split=a.val_split, seed=a.seed):
             print(path)
     p.set_defaults(func=run)
@@ -104,8 +106,7 @@ def _eval(sub):
     _tp_mode(p)
 
     def run(a):
-        from .eval import main
-        main(model=a.model, data=a.data, comms=a.comms, context=a.context, stride=a.stride,
+        perplexity.main(model=a.model, data=a.data, comms=a.comms, context=a.context, stride=a.stride,
              batch_size=a.batch_size, max_windows=a.max_windows, simulate=a.simulate,
              world_size=a.world_size, seed=a.seed, dtype=a.dtype, device=a.device,
              tokenizer=a.tokenizer, out=a.out, progress=not a.no_progress,
@@ -181,8 +182,7 @@ def _train(sub):
                    "(out_dir/telemetry.csv; simulated: the exact ||y - sum x|| per site)")
 
     def run(a):
-        from .train import main
-        main(model=a.model, model_fields=a.model_field, train_data=a.train_data,
+        loop.main(model=a.model, model_fields=a.model_field, train_data=a.train_data,
              val_data=a.val_data, comm=a.comm, steps=a.steps, time_budget=a.time_budget,
              seq_len=a.seq_len, batch_size=a.batch_size, grad_accum=a.grad_accum,
              bos=a.bos or a.bos_id is not None, bos_id=a.bos_id, lr=a.lr, min_lr=a.min_lr,
@@ -209,7 +209,6 @@ def main(argv: list[str] | None = None) -> int:
     cannot be read or written (OSError: a wrong path, permissions, a full disk; the line names
     the file), a rank of --world-size that failed, died or hung. ECHO_CLI_TRACEBACK=1 prints
     the traceback (a rank's: its own) too."""
-    from .launch import RankError
     args = build_parser().parse_args(argv)
     try:
         args.func(args)

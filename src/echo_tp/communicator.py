@@ -49,7 +49,7 @@ from . import envs
 from .agreement import Agreement, check_same_config
 from .collective.dispatch import Dispatcher, TransportBackend, build_dispatcher
 from .collective.reference import group_wait_s
-from .collective.simulated import FusedSimBackend, SimTransport
+from .collective.simulated import SimTransport
 from .compensator import PassState
 from .config import DIRECTIONS, DTYPES, KINDS, EchoConfig, check_bits
 from .guard import OneThread
@@ -369,6 +369,7 @@ class SimulatedCommunicator(EchoCommunicator):
                  telemetry: bool = False, fused: bool = True):
         ref = TransportBackend(SimTransport(world_size))
         if fused and torch.cuda.is_available() and envs.backend() != "reference":
+            from .collective.simulated_fused import FusedSimBackend   # optional: needs triton
             ref = FusedSimBackend(ref)   # CUDA calls through the p2p kernels (same bits)
         super().__init__(Dispatcher({"reference": ref}, world_size), config,
                          telemetry=telemetry)

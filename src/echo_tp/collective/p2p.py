@@ -44,6 +44,7 @@ import torch.distributed as dist
 from .. import envs
 from ..compensator import CompState
 from ..config import EchoConfig
+from ..kernels import allreduce_plan, flags
 from ..kernels.fits import fits
 from . import tuning
 from .backend import COLLECTIVES, Backend
@@ -96,8 +97,6 @@ class _HalfWorkspaces:
     record, so the calls after it raise (`raise_if_set`)."""
 
     def __init__(self, lay, group, rank: int, device, err: torch.Tensor):
-        from ..kernels.allreduce_plan import next_call
-        self._next_call = next_call
         self.lay = lay
         self.bufs = [SymmetricBuffer(lay.nbytes, lay.flags_off, group, rank, lay.world_size,
                                      device, err) for _ in range(2)]
@@ -107,7 +106,7 @@ class _HalfWorkspaces:
 
     def advance(self) -> None:
         """A new call: epoch += 1, table = tables[epoch % 2] (one launch, no host sync)."""
-        self._next_call(self.epoch, self.tables, self.table)
+        allreduce_plan.next_call(self.epoch, self.tables, self.table)
 
 
 class P2PBackend(Backend):
@@ -120,8 +119,6 @@ class P2PBackend(Backend):
 
     def __init__(self, group: dist.ProcessGroup | None = None,
                  shape: tuning.KernelShape = tuning.DEFAULT.shape):
-        from ..kernels import allreduce_plan, flags
-        self._plan, self._flags = allreduce_plan, flags
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -149,7 +146,7 @@ class P2PBackend(Backend):
         """-> (y, None), or (residual + y, None) with residual ([n], x's dtype, contiguous);
         record=True: the reference's (y, StepRecord)."""
         if record:   # telemetry needs the unfused intermediates: same numbers, reference path
-            self._flags.raise_if_set(self._err, self._err_np)
+            flags.raise_if_set(self._err, self._err_np)
             y, rec = compensated_all_reduce(x, cfg, self.transport, state=state,
                                             backward=backward, record=True)
             return (y if residual is None else residual + y), rec
@@ -195,7 +192,7 @@ class P2PBackend(Backend):
         stages of the plan one by one) -> (CallPlan, workspace, y; residual + y with
         residual). half: 'reduce_scatter' (y [m] of x [P*m]) or 'all_gather' (y [P*m] of
         x [m]) on the kind's workspace pair, the call's workspace picked."""
-        self._flags.raise_if_set(self._err, self._err_np)
+        flags.raise_if_set(self._err, self._err_np)
         P = self.world_size
         why = fits(half or "all_reduce", x, cfg, world_size=P, state=state, residual=residual)
         fused = route.form == "fused"
@@ -206,12 +203,12 @@ class P2PBackend(Backend):
         ws = self._workspace(x, cfg, fused, route.tile, half)
         fs = None
         if backward and cfg.grad_scaling:
-            fs = grad_scale(self._plan.local_amax(x, state, cfg), self.transport)   # [1]
+            fs = grad_scale(allreduce_plan.local_amax(x, state, cfg), self.transport)   # [1]
         if half is not None:
             ws.advance()
         elif not fused:
             ws.epoch.add_(1)
-        plan = self._plan.CallPlan(rank=self.rank, lay=ws.lay, cfg=cfg, x=x, state=state, fs=fs,
+        plan = allreduce_plan.CallPlan(rank=self.rank, lay=ws.lay, cfg=cfg, x=x, state=state, fs=fs,
                                    epoch=ws.epochs if fused else ws.epoch, table=ws.table,
                                    timeout=self._timeout_units(), use_timer=self.use_timer,
                                    num_warps=route.num_warps, step_elems=route.step,
@@ -228,7 +225,7 @@ class P2PBackend(Backend):
     def check_error(self) -> None:
         """Synchronize the device and raise if any wait of this backend timed out."""
         torch.cuda.synchronize(self.device)
-        self._flags.raise_if_set(self._err, self._err_np)
+        flags.raise_if_set(self._err, self._err_np)
 
     # ----- helpers -----
     def _workspace(self, x: torch.Tensor, cfg: EchoConfig, fused: bool, tile: int,
@@ -240,7 +237,7 @@ class P2PBackend(Backend):
         call_key = (half, numel, x.dtype, spec, fused, tile)
         ws = self._ws_by_call.get(call_key)
         if ws is None:
-            lay = self._plan.Layout.build(numel, self.world_size, spec, tile)
+            lay = allreduce_plan.Layout.build(numel, self.world_size, spec, tile)
             key = (half, x.dtype, spec, lay.seg, fused, tile)   # calls of one layout share it
             ws = self._ws.get(key)
             if ws is None:
@@ -255,7 +252,7 @@ class P2PBackend(Backend):
         """ECHO_FLAG_TIMEOUT_S in the kernels' units, read once per timer mode."""
         units = self._timeouts.get(self.use_timer)
         if units is None:
-            units = self._timeouts[self.use_timer] = self._flags.timeout_units(
+            units = self._timeouts[self.use_timer] = flags.timeout_units(
                 envs.flag_timeout_s(), self.use_timer)
         return units
 
@@ -268,5 +265,5 @@ class P2PBackend(Backend):
             log.warning("echo-tp p2p: %%globaltimer wait failed to build (%s); counting polls",
                         e)
             self.use_timer = plan.use_timer = False
-            plan.timeout = self._flags.timeout_units(envs.flag_timeout_s(), False)
+            plan.timeout = flags.timeout_units(envs.flag_timeout_s(), False)
             launch()

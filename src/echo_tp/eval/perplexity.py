@@ -47,12 +47,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from echo_tp.config import EchoConfig
 from echo_tp.models import (ModelConfig, build_meta_model, build_tokenizer, init_weights,
                             load_hf_checkpoint, load_tokens, resolve_model_config)
 from echo_tp.models.checkpoint import check_shards
+from echo_tp.models.rotate import rotate_hidden
 from echo_tp.models.tokenize import (DEFAULT_EOS, check_token_file, resolve_tokenizer_dir,
                                      separator_id, token_file_info)
 from echo_tp.paths import check_file_target, writing
@@ -272,7 +275,6 @@ def _rank_eval(rank: int | None, world_size: int, opts: EvalOptions) -> list[dic
                                 device=device)
         vocab_size, forward = cfg.vocab_size, model
         if opts.rotate is not None:
-            from echo_tp.models.rotate import rotate_hidden
             rotate_hidden(model, opts.rotate)
     reference = _reference_model(opts, rank, world_size, device, hf) if opts.kl else None
     tokens = load_eval_tokens(opts.data, model_spec=opts.model, tokenizer=opts.tokenizer)
@@ -287,7 +289,6 @@ def _rank_eval(rank: int | None, world_size: int, opts: EvalOptions) -> list[dic
     main = rank in (None, 0)
     bar = None
     if opts.progress and main:
-        from tqdm import tqdm
         bar = tqdm(total=len(windows) * len(specs), desc="eval", unit="win")
     results, scores = [], []
     for i, spec in enumerate(specs):
@@ -333,7 +334,6 @@ def _reference_model(opts: EvalOptions, rank, world_size: int, device, hf: bool)
         return lambda x: ref(x, use_cache=False).logits  # noqa: E731 - [B, T, V]
     ref, _ = load_model(opts.model, seed=opts.seed, dtype=DTYPES[opts.dtype], device=device)
     if opts.rotate is not None:
-        from echo_tp.models.rotate import rotate_hidden
         rotate_hidden(ref, opts.rotate)
     parallelize(ref, comm, rank, sequence_parallel=opts.sequence_parallel)
     return ref
@@ -567,5 +567,4 @@ def check_data(data: str, what: str) -> None:
 
 
 def _world() -> int:
-    import torch.distributed as dist
     return dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])

@@ -37,6 +37,7 @@ import logging
 import weakref
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -210,7 +211,6 @@ def parallelize(model: Transformer, comm, rank: int | None = None, *, policy=Non
                          "rank runs its own shard: leave sim_path at 'shards'")
     if not simulated:
         if rank is None:
-            import torch.distributed as dist
             rank = dist.get_rank(comm.group)
         if not 0 <= rank < P:
             raise ValueError(f"rank {rank} is outside the TP group of {P}")

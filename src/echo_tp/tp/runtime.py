@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from echo_tp.communicator import EchoCommunicator, SimulatedCommunicator
 from echo_tp.launch import group_timeout, run_ranks
 
 
@@ -80,7 +81,6 @@ def rank_device(requested: str | None, rank: int | None) -> torch.device:
 
 def make_comm(rank: int | None, world_size: int, config, *, telemetry: bool = False):
     """The communicator of this rank (a SimulatedCommunicator of world_size when rank is None)."""
-    from echo_tp.communicator import EchoCommunicator, SimulatedCommunicator
     if rank is None:
         return SimulatedCommunicator(world_size, config, telemetry=telemetry)
     return EchoCommunicator.from_group(None, config, telemetry=telemetry)

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from echo_tp.models.config import ModelConfig
+from echo_tp.norm import add_rmsnorm
 
 from .policy import WidthPlan, site_width
 
@@ -339,7 +340,6 @@ class AddNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y, residual, weight, eps: float, site: Site):
-        from echo_tp.norm import add_rmsnorm
         # of two dtypes (autocast: a bf16 reduce-scatter output, an fp32 residual) both are
         # taken in the promoted one, as `residual + y` does (autograd casts the gradients back)
         dtype = torch.promote_types(y.dtype, residual.dtype)

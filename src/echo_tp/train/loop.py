@@ -58,6 +58,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from echo_tp.models import load_tokens
 from echo_tp.models.checkpoint import check_shards
@@ -309,7 +310,6 @@ def _rank_train(rank: int | None, world_size: int, o: TrainOptions) -> dict:
     tlog = TelemetryLog(out / "telemetry.csv") if main and o.telemetry_every and comm else None
     bar = None
     if main and o.progress:
-        from tqdm import tqdm
         bar = tqdm(total=o.steps, desc=f"train {spec.label} ({built.mode})", unit="step")
     tokens_per_step = o.batch_size * o.grad_accum * o.seq_len
     pending: list[tuple] = []  # (step, lr, loss, norm, elapsed), loss and norm on the device
