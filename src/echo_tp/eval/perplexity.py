@@ -39,11 +39,12 @@ configs differently (studies/kl_probe.py, docs/results/2026-12-01-fidelity-testb
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import json
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -58,6 +59,7 @@ from echo_tp.models.checkpoint import check_shards
 from echo_tp.models.rotate import rotate_hidden
 from echo_tp.models.tokenize import (DEFAULT_EOS, check_token_file, resolve_tokenizer_dir,
                                      separator_id, token_file_info)
+from echo_tp.options import cli
 from echo_tp.paths import check_file_target, writing
 from echo_tp.tp import parallelize, parse_comm_specs, set_comm
 from echo_tp.tp.policy import (average_wire_bits, calibration_plan, site_width, telemetry_budget,
@@ -70,44 +72,75 @@ from .stats import gap_closed_table, mean_per_token, paired_difference
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+IMPLS = ("auto", "echo", "transformers")
+
+
 @dataclass(frozen=True, kw_only=True)
 class EvalOptions:
+    """The options of `echo-tp eval` and eval.main: each field is one command-line option
+    (echo_tp.options: `--field-name`, its docstring the help)."""
+
     model: str
-    """HF checkpoint directory, or a preset name (random init from `seed`)."""
+    """HF checkpoint directory, or a preset name or .json model config (random init from
+    --seed)."""
     data: str
     """A token file (.bin with its .json sidecar) or a UTF-8 text file (tokenized here)."""
-    comms: tuple[str, ...]
-    """Comm spec strings (tp.policy): '16', '8', '4', 'echo4', 'early8', 'echo4:eta=0.9', ..."""
+    comms: tuple[str, ...] = ("16", "8", "4", "echo4")
+    """Comm specs NAME[:KEY=VALUE,...] (tp.policy), e.g. 16 4 echo4 early8
+    'echo4:eta=0.9,quantizer=naive' (keys: bits g quantizer eta a beta1 beta2 residual
+    grad_scaling state_dtype policy edge_bits gather_bits)."""
     context: int = 1024
+    """Tokens per window."""
     stride: int | None = None
+    """Window stride (default: --context, non-overlapping windows)."""
     batch_size: int = 4
+    """Windows per forward."""
     max_windows: int | None = None
+    """Evaluate at most this many windows (from the start)."""
     seed: int = 0
-    dtype: str = "float32"
+    """Random init of a preset model."""
+    dtype: str = field(default="float32", metadata=cli(choices=DTYPES))
+    """Model dtype."""
     device: str | None = None
+    """Simulated runs: cpu/cuda (default cuda if any)."""
     tokenizer: str | None = None
+    """Tokenizer directory for text data (default: the model directory's tokenizer.json, else
+    GPT-2)."""
+    bos: bool = field(default=False, metadata=cli(implied_by="bos_id"))
+    """Prefix each window with BOS (not scored; the same targets are scored)."""
     bos_id: int | None = None
-    """Prefix every window with this BOS token (None: no BOS)."""
-    impl: str = "auto"
-    """HF directories: 'auto', 'echo' (the project's Transformer) or 'transformers'."""
+    """BOS token id (implies --bos; default: the token file's eos_id, or the tokenizer's
+    <|endoftext|>)."""
+    impl: str = field(default="auto", metadata=cli(flag="--model-impl", choices=IMPLS))
+    """HF directories: the project's Transformer ('echo', Llama/Qwen3 with plain RoPE) or
+    transformers' own model through echo_tp.hf.load_hf_tp ('transformers': any family with a
+    base_model_tp_plan); 'auto': echo where it reproduces the config, else transformers."""
     progress: bool = True
+    """Show a progress bar (--no-progress: none)."""
     last_word: bool = False
-    """Also score last-word accuracy (eval/lastword.py) on the same windows."""
+    """Also score last-word accuracy (LAMBADA-style: the greedy prediction of each sentence's
+    final word; eval/lastword.py) on the same windows."""
     calibration_data: str | None = None
-    """Token or text file of the calibration pass of telemetry policies (default: `data`)."""
+    """Token or text file of the calibration pass of telemetry policies
+    (policy=telemetry@BITS; default: --data)."""
     calibration_windows: int = 8
     """Windows of that pass (from the start of the calibration data)."""
-    rotate: int | None = None
-    """Fold a hidden-size rotation of this seed into the weights first (models/rotate.py)."""
+    rotate: int | None = field(default=None, metadata=cli(metavar="SEED"))
+    """Fold a hidden-size rotation (Hadamard x random signs of this seed) into the weights
+    first (models/rotate.py)."""
     sequence_parallel: bool = False
     """The project's Transformer sequence-parallel (tp/sequence.py): a reduce-scatter and an
-    all-gather at each block boundary instead of the all-reduce."""
+    all-gather at each block boundary instead of the all-reduce (the all-gathers at the comm's
+    gather_bits: 8 unless the spec says, e.g. 'echo4:gather_bits=0' for the sites' own
+    width)."""
     kl: bool = False
     """Also the KL divergence of every config's next-token distributions from the 16-bit
     model's (a second copy of the model at 16 bits runs beside it: twice the forwards)."""
+    out: str | None = None
+    """JSON results file (with per-window NLLs)."""
 
-
-IMPLS = ("auto", "echo", "transformers")
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "comms", tuple(self.comms))
 
 
 def model_impl(spec: str, impl: str = "auto") -> str:
@@ -477,35 +510,32 @@ def format_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(*, model: str, data: str, comms: list[str], context: int = 1024,
-         stride: int | None = None, batch_size: int = 4, max_windows: int | None = None,
-         simulate: int | None = None, world_size: int | None = None, seed: int = 0,
-         dtype: str = "float32", device: str | None = None, tokenizer: str | None = None,
-         out: str | None = None, progress: bool = True, impl: str = "auto", bos: bool = False,
-         bos_id: int | None = None, last_word: bool = False,
-         calibration_data: str | None = None, calibration_windows: int = 8,
-         rotate: int | None = None, sequence_parallel: bool = False,
-         kl: bool = False) -> list[dict]:
-    """Perplexity of `model` on `data` under every comm config; prints a table (rank 0), writes
-    JSON to `out` when given, returns the result rows (rank 0's; every rank computes the same).
-    bos=True: BOS-started windows (bos_id, default: see the module doc)."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+def main(*, simulate: int | None = None, world_size: int | None = None, **options
+         ) -> list[dict]:
+    """Perplexity of `model` on `data` under every comm config (options: EvalOptions'
+    fields); prints a table (rank 0), writes JSON to `out` when given, returns the result rows
+    (rank 0's; every rank computes the same). bos=True: BOS-started windows (bos_id, default:
+    see the module doc). The TP group: tp.runtime.Group."""
+    opts = EvalOptions(**options)
+    model, data, comms, bos, bos_id = opts.model, opts.data, opts.comms, opts.bos, opts.bos_id
+    out, tokenizer, calibration_data = opts.out, opts.tokenizer, opts.calibration_data
+    if opts.batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {opts.batch_size}")
     check_group_args(simulate=simulate, world_size=world_size)
     parse_comm_specs(list(comms))  # fail fast, before any process starts
     if out:
         check_file_target(out, "--out")
-    which = model_impl(model, impl)
+    which = model_impl(model, opts.impl)
     if bos_id is not None and not bos:
         raise ValueError("bos_id needs bos=True")
-    if sequence_parallel and which != "echo":
+    if opts.sequence_parallel and which != "echo":
         raise ValueError("sequence_parallel: eval runs the project's own Transformer "
                          "sequence-parallel (model impl 'echo')")
-    if rotate is not None and which != "echo":
+    if opts.rotate is not None and which != "echo":
         raise ValueError("rotate: the hidden-size rotation is folded into the project's own "
                          "Transformer only (model impl 'echo')")
-    if calibration_windows < 1:
-        raise ValueError(f"calibration_windows must be >= 1, got {calibration_windows}")
+    if opts.calibration_windows < 1:
+        raise ValueError(f"calibration_windows must be >= 1, got {opts.calibration_windows}")
     if Path(model).is_dir():
         check_shards(model)            # every shard opens: a truncated one is named here
     check_data(data, "--data")
@@ -515,30 +545,25 @@ def main(*, model: str, data: str, comms: list[str], context: int = 1024,
         resolve_tokenizer_dir(tokenizer)
     if bos and bos_id is None:
         bos_id = data_bos_id(data, model_spec=model, tokenizer=tokenizer)
-    opts = EvalOptions(model=model, data=data, comms=tuple(comms), context=context,
-                       stride=stride, batch_size=batch_size, max_windows=max_windows, seed=seed,
-                       dtype=dtype, device=device, tokenizer=tokenizer, impl=which,
-                       bos_id=bos_id, progress=progress, last_word=last_word,
-                       calibration_data=calibration_data,
-                       calibration_windows=calibration_windows, rotate=rotate,
-                       sequence_parallel=sequence_parallel, kl=kl)
-    if last_word:
+    opts = dataclasses.replace(opts, impl=which, bos_id=bos_id)
+    if opts.last_word:
         _data_tokenizer(opts)   # fail before the evaluation if no tokenizer can be named
     run = launch(_rank_eval, opts, simulate=simulate, world_size=world_size)
     results = run.result
     if run.is_main:
         P = simulate or world_size or _world()
         mode = "simulated" if simulate else "real"
+        context, stride = opts.context, opts.stride or opts.context
         print(f"model {model} ({which}) | data {data} | TP={P} ({mode}) | context {context}, "
-              f"stride {stride or context}{f', after BOS {bos_id}' if bos else ''} | "
+              f"stride {stride}{f', after BOS {bos_id}' if bos else ''} | "
               f"{results[0]['windows']} windows, "
               f"{results[0]['tokens']} scored tokens")
         print(format_table(results))
         if out:
             record = {"model": model, "impl": which, "data": data, "world_size": P, "mode": mode,
-                      "context": context, "stride": stride or context, "bos_id": bos_id,
-                      "dtype": dtype, "seed": seed, "rotate": rotate,
-                      "sequence_parallel": sequence_parallel, "results": results}
+                      "context": context, "stride": stride, "bos_id": bos_id,
+                      "dtype": opts.dtype, "seed": opts.seed, "rotate": opts.rotate,
+                      "sequence_parallel": opts.sequence_parallel, "results": results}
             with writing(out):
                 Path(out).parent.mkdir(parents=True, exist_ok=True)
                 Path(out).write_text(json.dumps(record, indent=2) + "\n")
