@@ -20,7 +20,7 @@ Compared:
     directions, both halves), and the communicator is usable after; the 16-bit calls' exact
     cache is bounded (LRU);
   * from_group on a group that waits torch's default 30 minutes logs one warning (and none for
-    a bounded group), and every README example builds its group with a timeout.
+    a bounded group), and every README / docs/usage example builds its group with a timeout.
 Where to look first: launch.py (_failure, _dead) for the dead rank; agreement.py
 (Agreement.check, in_band) and collective/inband.py + reference.py (the header, the widths) for
 the agreement; norm.py (sum_of_squares) and quant.py (_words) for zero-size.
@@ -305,7 +305,9 @@ def test_a_long_group_timeout_warns_once(gloo):
 
 
 def test_readme_examples_build_groups_with_a_timeout():
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    pages = [README, *sorted((README.parent / "docs" / "usage").glob("*.md"))]
+    blocks = [b for page in pages
+              for b in re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)]
     code = [line.split("#")[0] for b in blocks for line in b.splitlines()]
     calls = [c for line in code for c in re.findall(r"(?:init_process_group|new_group)\((.*)",
                                                     line)]
