@@ -34,7 +34,7 @@ def _demo(sub):
 
     def run(a):
         demo.main(world_size=a.world_size, sites=a.sites, tokens=a.tokens, hidden=a.hidden,
-             out=a.out, progress=not a.no_progress, with_model=not a.no_model)
+                  out=a.out, progress=not a.no_progress, with_model=not a.no_model)
     p.set_defaults(func=run)
 
 
@@ -53,7 +53,7 @@ def _tokenize(sub):
 
     def run(a):
         for path in tokenize.main(a.inputs, a.tokenizer, a.out, val_fraction=a.val_fraction,
-                         val_split=a.val_split, seed=a.seed):
+                                  val_split=a.val_split, seed=a.seed):
             print(path)
     p.set_defaults(func=run)
 

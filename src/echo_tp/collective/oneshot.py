@@ -58,8 +58,8 @@ class OneShotBackend(Backend):
         self._ready(x)
         y = x if inplace else torch.empty_like(x)   # own tile t is read before y's tile t
         ok.oneshot(x, y, rank=self.rank, lay=self._lay, epochs=self._epochs,
-                         table=self._buf.table, timeout=self._timeout, use_timer=True,
-                         num_warps=self.num_warps)
+                   table=self._buf.table, timeout=self._timeout, use_timer=True,
+                   num_warps=self.num_warps)
         return y, None
 
     def declines(self, op, x, cfg, *, state=None, residual=None, weight=None) -> str | None:
@@ -77,9 +77,9 @@ class OneShotBackend(Backend):
         residual_out), bit for bit norm.add_rmsnorm_reference(run(x), residual, ...)."""
         self._ready(x)
         return ok.oneshot_add_rmsnorm(x, residual, weight, eps, rank=self.rank,
-                                            lay=self._lay, epochs=self._epochs,
-                                            table=self._buf.table, timeout=self._timeout,
-                                            use_timer=True, num_warps=self.num_warps)
+                                      lay=self._lay, epochs=self._epochs,
+                                      table=self._buf.table, timeout=self._timeout,
+                                      use_timer=True, num_warps=self.num_warps)
 
     def _ready(self, x: torch.Tensor) -> None:
         """Raise a peer's error record; check the size; the buffer at the first call (a

@@ -208,11 +208,11 @@ class P2PBackend(Backend):
             ws.advance()
         elif not fused:
             ws.epoch.add_(1)
-        plan = allreduce_plan.CallPlan(rank=self.rank, lay=ws.lay, cfg=cfg, x=x, state=state, fs=fs,
-                                   epoch=ws.epochs if fused else ws.epoch, table=ws.table,
-                                   timeout=self._timeout_units(), use_timer=self.use_timer,
-                                   num_warps=route.num_warps, step_elems=route.step,
-                                   residual=residual, half=half)
+        plan = allreduce_plan.CallPlan(
+            rank=self.rank, lay=ws.lay, cfg=cfg, x=x, state=state, fs=fs,
+            epoch=ws.epochs if fused else ws.epoch, table=ws.table,
+            timeout=self._timeout_units(), use_timer=self.use_timer,
+            num_warps=route.num_warps, step_elems=route.step, residual=residual, half=half)
         if half is None:
             return plan, ws, torch.empty_like(x)
         n = x.numel()

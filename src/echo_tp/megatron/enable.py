@@ -14,8 +14,8 @@ Sites (static index -> width ctx.bits(index): tp.policy.site_width, the TP engin
     the output layer's input-gradient all-reduce (SP: its input all-gather forward, gradient
         reduce-scatter backward): the last site's (2L - 1) width, the first of a backward pass
 So under the default WidthPlan (edge_bits=8) the embedding, layer 0's attention, the last
-layer's MLP and the output layer run at 8 bits. The vocab-parallel cross entropy's all-reduces, the logits' gather
-(parallel_output=False) and every other collective stay megatron-core's.
+layer's MLP and the output layer run at 8 bits. The vocab-parallel cross entropy's all-reduces,
+the logits' gather (parallel_output=False) and every other collective stay megatron-core's.
 
 Passes: every forward of the model starts a forward pass (comm.new_pass('forward'): fresh
 compensator state); its output goes through tp.sites.BackwardPassStart, whose backward, the

@@ -2,7 +2,8 @@
 
 Forward sites ("g", after o_proj / down_proj): all_reduce(partial, direction='forward') forward,
 identity backward. Backward sites ("f", at the input of q/k/v and of gate/up): identity forward,
-all_reduce(input_grad, direction='backward') backward. Both take `bits=` the site's width (tp/policy.py: site_width).
+all_reduce(input_grad, direction='backward') backward. Both take `bits=` the site's width
+(tp/policy.py: site_width).
 
 Numbering. Site 2l is layer l's attention block, 2l+1 its MLP block (STATIC index, used by the
 bit policy). The communicator numbers calls within a pass in call order:
