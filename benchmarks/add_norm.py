@@ -9,7 +9,7 @@ the bytes each must move at least (read y, residual, weight; write residual_out 
 the HBM copy of the same run beside it.
 
 Part 'boundary' (issue 18 item 2): from the partials, P simulated ranks on one GPU
-(kernels/simulated_fused.py: every rank's stage kernels over real per-rank buffers and flags),
+(collective/simulated_fused.py: every rank's stage kernels over real per-rank buffers and flags),
 the whole boundary three ways (METHODS):
 
     fused   the all-reduce with the residual added where y is decoded (the reduce's own segment
@@ -84,7 +84,7 @@ class Boundary:
     def __init__(self, P: int, rows: int, h: int, cfg, dev: str, seed: int = 0):
         from echo_tp.collective import routing, tuning
         from echo_tp.compensator import CompState
-        from echo_tp.kernels.simulated_fused import SimulatedFused
+        from echo_tp.collective.simulated_fused import SimulatedFused
         from echo_tp.models.transformer import RMSNorm
         self.P, self.rows, self.h, self.cfg = P, rows, h, cfg
         n = rows * h

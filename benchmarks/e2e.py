@@ -130,7 +130,7 @@ def bench_model(name: str, a, rank: int, world: int) -> list[dict]:
             set_comm(model, IdentityComm(world))
         else:
             comm = comms[key] if call_times is None else call_times
-            set_comm(model, comm, policy=specs[key].policy)
+            set_comm(model, comm, policy=specs[key].widths)
 
     def prefill(b):
         x = tokens(b, a.seq)

@@ -1,4 +1,4 @@
-"""What the ranks' call agreement costs a call (communicator._check_call; on CPU also the in-band
+"""What the ranks' call agreement costs a call (agreement.Agreement.check; on CPU also the in-band
 length check, collective/inband.py), on gloo.
 
     python benchmarks/signature_check.py --world 2 --lengths 1000 --out serve.json   # serving
@@ -51,8 +51,9 @@ def _kept(comm) -> dict:
     """The sizes of the communicator's caches (whichever this tree has)."""
     out = {}
     for name in ("_checked", "_agreed"):
-        if hasattr(comm, name):
-            out[name.strip("_")] = len(getattr(comm, name))
+        kept = getattr(getattr(comm, "agreement", comm), name, None)
+        if kept is not None:
+            out[name.strip("_")] = len(kept)
     ref = getattr(comm.dispatcher, "backends", {}).get("reference")
     widths = getattr(getattr(ref, "transport", None), "widths", None)
     if widths is not None:
@@ -95,7 +96,7 @@ def _paired(inband, exact, xs, name: str) -> dict:
     """The steady-state price of the in-band length (padded rows + header): every length seen,
     each call made on `inband` and on `exact` (the same calls with bare rows: this tree's exact
     check, remembered), in alternating order, so both meet the same load."""
-    exact._lengths = None
+    exact.agreement.lengths = None
     for x in xs:                                   # every exact signature remembered first
         exact.new_pass("forward")
         exact.all_reduce(x)
@@ -124,12 +125,12 @@ def _sizes(rank, world_size, sizes, iters):
         comm = EchoCommunicator.from_group(None, EchoConfig(bits=4, eta=0.0))
         comm.all_reduce(x)                                   # the signature is checked here
         cfg = comm.config_for(None)
-        lookup = 1e3 * wall_median_ms(lambda: comm._check_call(x, cfg, "forward", "all_reduce"),
+        lookup = 1e3 * wall_median_ms(lambda: comm.agreement.check(x, cfg, "forward", "all_reduce"),
                                       iters * 50)
         dist.barrier()
         call = 1e3 * wall_median_ms(lambda: comm.all_reduce(x), iters)
-        comm._debug_checks = True                            # = ECHO_DEBUG_CHECKS=1
-        comm._checked.clear()
+        comm.agreement.debug = True                          # = ECHO_DEBUG_CHECKS=1
+        comm.agreement._checked.clear()
         dist.barrier()
         checked = 1e3 * wall_median_ms(lambda: comm.all_reduce(x), iters)
         rows.append({"numel": n, "lookup_us": lookup, "call_us": call, "checked_us": checked,

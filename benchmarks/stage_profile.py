@@ -1,6 +1,6 @@
 """Per-stage cost of the p2p kernels on ONE GPU, without the link: the compute + HBM floor.
 
-P simulated ranks live on one GPU (kernels/simulated_fused.py layout: P byte buffers, real
+P simulated ranks live on one GPU (collective/simulated_fused.py layout: P byte buffers, real
 flags). One full call sets every flag; then each stage kernel of rank 0 is re-launched alone
 (its waits pass at once: the flags already hold the epoch) and timed with CUDA events, median
 of --reps. Values per second are per stage (entry: (P-1)/P n values, reduce: n/P, tail: n, or
@@ -94,7 +94,7 @@ def stage_times(P: int, n: int, name: str, tile: int, warps: int, reps: int,
     """One row: the median ms of each stage of `part` (PARTS) on rank 0, n values per rank
     (the all-reduce's and the reduce-scatter's input, the all-gather's output)."""
     from echo_tp.compensator import CompState
-    from echo_tp.kernels.simulated_fused import SimulatedFused
+    from echo_tp.collective.simulated_fused import SimulatedFused
     names = PARTS[part]
     _, _, sdt, compact = CONFIGS[name]
     cfg = config(name)

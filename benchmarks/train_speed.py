@@ -77,7 +77,7 @@ def _build(a, comm_spec: str, sim_path: str, simulated: bool, device):
     P = a.simulate if simulated else 1
     comm = make_comm(None, P, spec.config) if P > 1 else None
     return build_model(a.model, tuple(a.model_field), seed=0, comm=comm, rank=None,
-                       world_size=P, device=device, policy=spec.policy,
+                       world_size=P, device=device, policy=spec.widths,
                        sim_path=sim_path if P > 1 else "shards")
 
 

@@ -108,7 +108,7 @@ def padded_vocab(vocab: int, world_size: int) -> int:
 
 def _run_comm(o, spec, model, group, tokens, val, device) -> dict:
     comm = EchoCommunicator.from_group(group, spec.config)
-    enable_echo(model, comm, policy=spec.policy)
+    enable_echo(model, comm, policy=spec.widths)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     rest = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
@@ -179,7 +179,7 @@ def _rank(rank, world_size, o) -> dict | None:
         first = model if first is None else first
     # the first run's trained weights under every comm: each comm's forward error alone
     for spec in specs:
-        enable_echo(first, EchoCommunicator.from_group(group, spec.config), policy=spec.policy)
+        enable_echo(first, EchoCommunicator.from_group(group, spec.config), policy=spec.widths)
         out[spec.label]["val_loss_first_weights"] = evaluate(o, first, val, device)
     parallel_state.destroy_model_parallel()
     return out if rank == 0 else None

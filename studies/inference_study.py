@@ -46,13 +46,13 @@ def partial_sums(model_dir: str, tokens: torch.Tensor, *, simulate: int, context
     model, _ = load_model(model_dir, seed=0, dtype=dtype, device=torch.device(device))
     model.eval()
     first = parse_comm_spec("16")
-    parallelize(model, SimulatedCommunicator(simulate, first.config), policy=first.policy)
+    parallelize(model, SimulatedCommunicator(simulate, first.config), policy=first.widths)
     x = tokens[:batch * context].view(batch, context).to(device)
     out = {}
     for name in TELEMETRY:
         spec = parse_comm_spec(name)
         comm = SimulatedCommunicator(simulate, spec.config, telemetry=True)
-        set_comm(model, comm, policy=spec.policy)
+        set_comm(model, comm, policy=spec.widths)
         with torch.no_grad():
             model(x)
         rows = [r for r in comm.telemetry_summary() if r["direction"] == "forward"]

@@ -8,7 +8,7 @@ outside its training distribution (the demo model scores ~400 on WikiText-2): it
 the noise moves the NLL of the targets, not how far the outputs moved. KL(p_16 || p_config),
 averaged over scored tokens, measures the latter. Configs: 16, echo4 with every site at 4 bits
 (edge_bits=0), with site 0 at 8 bits (first8), with the last site at 8 bits (last8), with both
-(the default, EchoConfig.edge_bits = 8), naive 4.
+(the default, WidthPlan.edge_bits = 8), naive 4.
 Every window starts with BOS (id 0).
 """
 from __future__ import annotations
@@ -20,13 +20,15 @@ import torch
 from echo_tp import EchoConfig, SimulatedCommunicator
 from echo_tp.eval.perplexity import load_eval_tokens, load_model
 from echo_tp.tp import parallelize, set_comm
+from echo_tp.tp.policy import WidthPlan
 
-CONFIGS = [("16", dict(bits=16), None),
-           ("echo4, every site at 4 bits", dict(bits=4, edge_bits=0), None),
-           ("echo4, first8 (site 0 at 8 bits)", dict(bits=4, edge_bits=0), "first8"),
-           ("echo4, last8", dict(bits=4, edge_bits=0), "last8"),
-           ("echo4, ends8 (the default)", dict(bits=4), None),
-           ("4", dict(bits=4, eta=0.0, edge_bits=0), None)]
+CONFIGS = [("16", dict(bits=16), WidthPlan()),
+           ("echo4, every site at 4 bits", dict(bits=4), WidthPlan(edge_bits=0)),
+           ("echo4, first8 (site 0 at 8 bits)", dict(bits=4),
+            WidthPlan(policy="first8", edge_bits=0)),
+           ("echo4, last8", dict(bits=4), WidthPlan(policy="last8", edge_bits=0)),
+           ("echo4, ends8 (the default)", dict(bits=4), WidthPlan()),
+           ("4", dict(bits=4, eta=0.0), WidthPlan.from_name("4"))]
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ __all__ = ["run_ranks", "bits_differ", "assert_bits_equal", "interpret_kernels",
 KERNEL_MODULES = ("echo_tp.kernels.flags", "echo_tp.kernels.quant_kernels",
                   "echo_tp.kernels.allreduce_kernels", "echo_tp.kernels.launcher",
                   "echo_tp.kernels.norm_kernels", "echo_tp.kernels.allreduce_plan",
-                  "echo_tp.kernels.simulated_fused")
+                  "echo_tp.collective.simulated_fused")
 """The kernel modules in import order (each only imports those before it)."""
 
 

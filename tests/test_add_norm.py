@@ -31,11 +31,12 @@ interpret_kernels()                   # before triton.jit decorates anything
 pytest.importorskip("triton")
 
 from echo_tp import norm  # noqa: E402
+from echo_tp.collective.backend import COLLECTIVES, Backend  # noqa: E402
 from echo_tp.collective.qar import compensated_all_reduce  # noqa: E402
 from echo_tp.collective.simulated import SimTransport  # noqa: E402
 from echo_tp.compensator import CompState  # noqa: E402
 from echo_tp.kernels import norm_kernels as nk  # noqa: E402
-from echo_tp.kernels import simulated_fused as sf  # noqa: E402
+from echo_tp.collective import simulated_fused as sf  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on NaN/Inf lanes
 EPS = 1e-6
@@ -136,12 +137,12 @@ def test_residual_in_the_all_reduce_then_rmsnorm_matches_reference(P, bits, dtyp
         assert rout[:, -1].isposinf().any() and rout[:, -1].isneginf().any()
 
 
-class _AddingSimBackend:
+class _AddingSimBackend(Backend):
     """SimulatedFused as a simulated communicator's backend (x [P, N]) that adds the residual
     where y is decoded, as P2PBackend does on GPUs; counts the residuals it was given."""
 
     name = "simulated-fused"
-    adds_residual = True
+    offers = COLLECTIVES | {"residual"}
 
     def __init__(self, world_size: int):
         self.sim = sf.SimulatedFused(world_size, tile_elems=256)
@@ -150,9 +151,6 @@ class _AddingSimBackend:
     def run(self, x, cfg, *, state, backward, record, inplace=False, residual=None):
         self.residuals += residual is not None
         return self.sim(x, cfg, state=state, backward=backward, residual=residual), None
-
-    def close(self):
-        pass
 
 
 @pytest.mark.parametrize("mode", ["local", "output"])

@@ -17,7 +17,7 @@ states bit for bit; bits=16 against torch's reduce_scatter_tensor / all_gather_i
 calls that differ in kind or size refused on every rank.
 Inputs come from a fresh seed per test session (printed on failure).
 If the independent reference disagrees, look first at collective/qar.py (padding, owner order),
-for the halves at collective/sharded.py and EchoCommunicator._half_view (dims).
+for the halves at collective/sharded.py and echo_tp/halves.py (dims).
 """
 import os
 

@@ -35,8 +35,8 @@ def _capture_worker(rank, world_size):
     """A new signature under (pretended) CUDA graph capture raises; after one eager call the
     same signature runs under capture (no check left to run), a new one raises again."""
     comm = EchoCommunicator.from_group(None, EchoConfig(bits=4))
-    comm._lengths = None   # the exact check per numel, as CUDA calls have it (CPU calls carry
-    real = (torch.cuda.is_available, torch.cuda.is_current_stream_capturing)   # it in-band)
+    comm.agreement.lengths = None   # the exact check per numel, as CUDA calls have it (CPU calls
+    real = (torch.cuda.is_available, torch.cuda.is_current_stream_capturing)   # carry it in-band)
     out = []
 
     def capturing(on):

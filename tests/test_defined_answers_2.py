@@ -20,9 +20,9 @@ Compared:
     directions, both halves), and the communicator is usable after; the 16-bit calls' exact
     cache is bounded (LRU);
   * from_group on a group that waits torch's default 30 minutes logs one warning (and none for
-    a bounded group), and every README example builds its group with a timeout.
-Where to look first: launch.py (_failure, _dead) for the dead rank; communicator.py
-(_check_call, _in_band) and collective/inband.py + reference.py (the header, the widths) for
+    a bounded group), and every README / docs/usage example builds its group with a timeout.
+Where to look first: launch.py (_failure, _dead) for the dead rank; agreement.py
+(Agreement.check, in_band) and collective/inband.py + reference.py (the header, the widths) for
 the agreement; norm.py (sum_of_squares) and quant.py (_words) for zero-size.
 """
 import logging
@@ -36,7 +36,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from echo_tp import EchoCommunicator, EchoConfig, SimulatedCommunicator, communicator
+from echo_tp import EchoCommunicator, EchoConfig, SimulatedCommunicator, agreement
 from echo_tp.collective import chunked
 from echo_tp.collective.inband import FLOOR, Widths, byte_numels, byte_row, wire_len
 from echo_tp.launch import group_timeout
@@ -174,8 +174,8 @@ def _gloo_worker(rank, world_size):
         for x in xs:
             comm.new_pass("forward")
             ys.append(comm.all_reduce(x))
-        passes.append({"checks": counted["n"], "ys": ys, "agreed": len(comm._agreed),
-                       "checked": len(comm._checked),
+        passes.append({"checks": counted["n"], "ys": ys, "agreed": len(comm.agreement._agreed),
+                       "checked": len(comm.agreement._checked),
                        "widths": len(comm.dispatcher.backends["reference"].transport.widths)})
     out["serving"] = passes
     chunked.CHUNK_ELEMS = 1 << 12      # a chunked call (8 column chunks) and the halves
@@ -210,11 +210,11 @@ def _gloo_worker(rank, world_size):
     out["mismatch"] = cases
 
     # 6. the exact checks of 16-bit (and CUDA) calls are bounded
-    communicator.MAX_CHECKED = 8
+    agreement.MAX_CHECKED = 8
     comm = EchoCommunicator.from_group(None, EchoConfig(bits=16))
     sums = [bool(torch.equal(comm.all_reduce(torch.ones(n)), torch.full((n,), 2.0)))
             for n in list(range(1, 21)) + [1, 2]]
-    out["bounded"] = (sums, len(comm._checked))
+    out["bounded"] = (sums, len(comm.agreement._checked))
 
     # 5. one warning for a group that waits torch's default 30 minutes
     records = []
@@ -305,7 +305,9 @@ def test_a_long_group_timeout_warns_once(gloo):
 
 
 def test_readme_examples_build_groups_with_a_timeout():
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    pages = [README, *sorted((README.parent / "docs" / "usage").glob("*.md"))]
+    blocks = [b for page in pages
+              for b in re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)]
     code = [line.split("#")[0] for b in blocks for line in b.splitlines()]
     calls = [c for line in code for c in re.findall(r"(?:init_process_group|new_group)\((.*)",
                                                     line)]

@@ -124,7 +124,7 @@ def test_telemetry_policy_names():
     for bad in ("telemetry", "telemetry@x", "telemetry@-1"):
         with pytest.raises(ValueError, match="telemetry"):
             telemetry_budget(bad)
-    assert parse_comm_spec("echo4:policy=telemetry@5").policy == "telemetry@5"
+    assert parse_comm_spec("echo4:policy=telemetry@5").widths.policy == "telemetry@5"
     with pytest.raises(ValueError, match="calibration pass"):
         make_policy("telemetry@5", 2)
 

@@ -7,7 +7,7 @@ Compared, bit for bit, on fresh random inputs (several seeds):
     group counts, outlier channels, constant / all-zero / far-from-zero / integer / tiny /
     huge groups, NaN and Inf groups; and groups at every scale (issue 15: +-3e6 ramps, 1e30,
     near fp32 max, 1e-35, fp32 subnormals, huge constants).
-  * kernels.simulated_fused.SimulatedFused (entry -> reduce -> tail kernels over P per-rank
+  * collective.simulated_fused.SimulatedFused (entry -> reduce -> tail kernels over P per-rank
     buffers, flags included)  vs  collective.qar.compensated_all_reduce over SimTransport:
     y, m1, m2 after consecutive calls; both residual modes, bits 4/8, policies, bf16/fp16/fp32,
     P = 2/3/4, with and without backward power-of-two scaling; and call sequences with huge
@@ -51,7 +51,7 @@ from echo_tp.config import QuantSpec  # noqa: E402
 from echo_tp.kernels import allreduce_kernels as ak  # noqa: E402
 from echo_tp.kernels import allreduce_plan as ap  # noqa: E402
 from echo_tp.kernels import quant_kernels as qk  # noqa: E402
-from echo_tp.kernels import simulated_fused as sf  # noqa: E402
+from echo_tp.collective import simulated_fused as sf  # noqa: E402
 from echo_tp.kernels.flags import describe_error  # noqa: E402
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)

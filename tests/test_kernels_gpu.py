@@ -178,7 +178,7 @@ def test_simulated_fused_matches_torch_reference_on_gpu(case, tile, torch_quanti
     from echo_tp.collective.qar import compensated_all_reduce
     from echo_tp.collective.simulated import SimTransport
     from echo_tp.compensator import CompState
-    from echo_tp.kernels.simulated_fused import SimulatedFused
+    from echo_tp.collective.simulated_fused import SimulatedFused
     P, bits, qz, resid, dtype, backward, sdt, compact = case
     betas = dict(beta1=0.5, beta2=0.5) if compact else {}
     cfg = two_timescale(bits=bits, quantizer=qz, residual=resid, state_dtype=sdt, **betas)
@@ -211,7 +211,7 @@ def test_simulated_fused_edge_calls_match_torch_reference_on_gpu(case, torch_qua
     from echo_tp.collective.qar import compensated_all_reduce
     from echo_tp.collective.simulated import SimTransport
     from echo_tp.compensator import CompState
-    from echo_tp.kernels.simulated_fused import SimulatedFused
+    from echo_tp.collective.simulated_fused import SimulatedFused
     P, bits, qz, resid, dtype, backward, sdt, compact = case
     betas = dict(beta1=0.5, beta2=0.5) if compact else {}
     cfg = two_timescale(bits=bits, quantizer=qz, residual=resid, state_dtype=sdt, **betas)
@@ -308,7 +308,7 @@ def test_residual_in_the_all_reduce_then_rmsnorm_on_gpu(case, rows, H, torch_qua
     from echo_tp.collective.simulated import SimTransport
     from echo_tp.compensator import CompState
     from echo_tp.kernels import norm_kernels as nk
-    from echo_tp.kernels.simulated_fused import SimulatedFused
+    from echo_tp.collective.simulated_fused import SimulatedFused
     P, bits, qz, mode, dtype, sdt, compact = case
     betas = dict(beta1=0.5, beta2=0.5) if compact else {}
     cfg = two_timescale(bits=bits, quantizer=qz, residual=mode, state_dtype=sdt, **betas) \
@@ -360,7 +360,7 @@ def test_halves_match_sharded_reference_on_gpu(kind, case):
     from echo_tp.collective.simulated import SimTransport
     from echo_tp.compensator import CompState
     from echo_tp.config import EchoConfig
-    from echo_tp.kernels.simulated_fused import SimulatedFused
+    from echo_tp.collective.simulated_fused import SimulatedFused
     P, bits, qz, dtype, state, backward = case
     cfg = EchoConfig(bits=bits, quantizer=qz, eta=0.0) if state is None else \
         two_timescale(bits=bits, quantizer=qz) if state == "pair" else \

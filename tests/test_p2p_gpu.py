@@ -494,8 +494,8 @@ def _halves_graph_case(group, rank: int, world: int) -> dict:
     cfg = two_timescale(bits=4)
     m = 64 * 4096
     sizes = {"reduce_scatter": world * m, "all_gather": m}
-    routes = {k: routing.route_half(k, routing.Call.of(n, 2, cfg, world, on_gpu=True), "p2p",
-                                    {"p2p": None}) for k, n in sizes.items()}
+    routes = {k: routing.route(routing.Call.of(n, 2, cfg, world, on_gpu=True, kind=k), "p2p",
+                               {"p2p": None}) for k, n in sizes.items()}
     st_p = {k: CompState.zeros(n, "cuda") for k, n in sizes.items()}
     st_r = {k: CompState.zeros(n, "cuda") for k, n in sizes.items()}
     row = {"case": "halves cuda-graph replay x3", "y": 0, "m1": 0, "m2": 0,
@@ -535,7 +535,7 @@ def _halves_graph_case(group, rank: int, world: int) -> dict:
     p2p.check_error()
     p2p.close()
     if row["routes"] != ["p2p"]:
-        row["y"] += 1                                      # route_half did not pick p2p
+        row["y"] += 1                                      # the route did not pick p2p
     return row
 
 

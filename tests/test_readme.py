@@ -1,10 +1,11 @@
-"""The README as a newcomer reads it: its commands and every ```python block run as written.
+"""The README and the usage pages as a newcomer reads them: the commands and every ```python
+block run as written.
 
-Compared: each python block of README.md runs to completion in a fresh interpreter (a block
-whose first line says `torchrun --nproc-per-node N` runs under torchrun with N gloo ranks); the
-README opens with the two set-up commands `make demo` and `make test`; and the one claim the
-README makes about 16-bit bit-identity (simulated == gloo at P = 2, not promised at P >= 3)
-holds as stated.
+Compared: each python block of README.md and docs/usage/*.md runs to completion in a fresh
+interpreter (a block whose first line says `torchrun --nproc-per-node N` runs under torchrun
+with N gloo ranks); the README opens with the two set-up commands `make demo` and `make test`;
+and the one claim the usage pages make about 16-bit bit-identity (simulated == gloo at P = 2,
+not promised at P >= 3; docs/usage/collectives.md) holds as stated.
 Where to look when it fails: the block's stderr printed in the assertion; a README edit that
 renamed or dropped an API (grep the name in src/echo_tp); for the torchrun case, ECHO timeouts
 and a free port (--standalone picks one).
@@ -24,11 +25,14 @@ from echo_tp import EchoCommunicator, EchoConfig, SimulatedCommunicator
 from harness import bits_differ, run_ranks
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+USAGE = sorted((README.parent / "docs" / "usage").glob("*.md"))
 TORCHRUN = re.compile(r"torchrun --nproc-per-node (\d+)")
 
 
 def python_blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    """Every python block of the README, then of each usage page (in name order)."""
+    return [b for page in [README, *USAGE]
+            for b in re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)]
 
 
 def test_readme_opens_with_the_two_commands():
@@ -84,3 +88,21 @@ def test_sixteen_bit_identity_holds_where_the_readme_says(world):
         # the largest |x_i| summed, since catastrophic cancellation sits in the input)
         scale = xs.abs().sum(0)
         assert bool(((real[0] - sim).abs() <= 4 * 2.0 ** -23 * scale).all())
+
+
+def test_results_index_has_a_row_for_every_record_and_whole_rows():
+    """docs/results/README.md: every dated record has its index row, and every row of its tables
+    has the header's number of columns (a merge once broke rows apart)."""
+    index = README.parent / "docs" / "results" / "README.md"
+    text = index.read_text()
+    for record in sorted(index.parent.glob("20*.md")):
+        assert re.search(rf"^\| [0-9-]+ \| \[{re.escape(record.name)}\]", text, flags=re.M), \
+            f"no index row for {record.name}"
+    width = None
+    for line in text.splitlines():
+        if not line.startswith("|"):
+            width = None
+            continue
+        n = len(re.findall(r"(?<!\\)\|", line)) - 1
+        width = n if width is None else width
+        assert n == width, line[:120]

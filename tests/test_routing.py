@@ -12,13 +12,14 @@ against the measured tables (collective/tuning.py), not restated from them.
   * kernel plans: fused up to the fused cap, staged above; reduce/tail overlap only where
     measured (never compensated); tiles powers of two within the table's bounds;
   * every table entry names a record that exists in docs/results; the two user overrides;
-  * reduce-scatter / all-gather calls (sequence parallelism, routing.route_half): p2p (staged,
+  * reduce-scatter / all-gather calls (sequence parallelism, routing.route of a half's Call):
+    p2p (staged,
     overlap off, the all-reduce's tile for the P*m values of the layout) for every quantized
     GPU call the kernels take under 'auto' and 'p2p', captured or not; the reference, saying
     why, for the rest (mode 'reference', no fast path, CPU tensors, bits 16, a chunk that is
     not whole quantization groups); the dispatcher routes, caches, logs once and hands the
     route to the backend's half.
-Look first at collective/routing.route (route_half for the halves) when a decision test fails,
+Look first at collective/routing.route (_route_half for the halves) when a decision test fails,
 at collective/tuning.py when a table test does.
 """
 import dataclasses
@@ -30,7 +31,8 @@ import torch.distributed as dist
 
 from echo_tp.collective import routing, tuning
 from echo_tp.collective.dispatch import Dispatcher, build_dispatcher
-from echo_tp.collective.routing import Call, route, route_half
+from echo_tp.collective.backend import COLLECTIVES, Backend
+from echo_tp.collective.routing import Call, route
 from echo_tp.communicator import SimulatedCommunicator
 from echo_tp.config import EchoConfig
 from harness import two_timescale
@@ -197,16 +199,13 @@ def test_state_bytes():
     assert sb(DEFAULT) == 4                                 # the default: one bf16 tensor
 
 
-class _Recorder:
+class _Recorder(Backend):
     def __init__(self, name):
         self.name, self.calls = name, []
 
     def run(self, x, cfg, *, state, backward, record, inplace=False, route=None):
         self.calls.append(route)
         return x, None
-
-    def close(self):
-        pass
 
 
 def test_dispatcher_routes_caches_and_logs_once(caplog):
@@ -229,7 +228,7 @@ def test_dispatcher_routes_caches_and_logs_once(caplog):
 class _Adder(_Recorder):
     """A backend that adds the residual where it decodes y (as P2PBackend does)."""
 
-    adds_residual = True
+    offers = COLLECTIVES | {"residual"}
 
     def run(self, x, cfg, *, state, backward, record, inplace=False, route=None, residual=None):
         self.calls.append((route, residual))
@@ -284,7 +283,7 @@ def half_call(kind: str, m: int, cfg: EchoConfig = DEFAULT, P: int = 2, **kw) ->
     """The Call of a half's input on one rank: P*m values (reduce-scatter) or m (all-gather),
     bf16."""
     kw.setdefault("on_gpu", True)
-    return Call.of(P * m if kind == "reduce_scatter" else m, 2, cfg, P, **kw)
+    return Call.of(P * m if kind == "reduce_scatter" else m, 2, cfg, P, kind=kind, **kw)
 
 
 def test_half_calls_take_p2p_where_the_kernels_take_them():
@@ -302,8 +301,8 @@ def test_half_calls_take_p2p_where_the_kernels_take_them():
                 for kind in routing.HALVES:
                     for mode in ("auto", "p2p"):
                         for capturing in (False, True):
-                            r = route_half(kind, half_call(kind, m, cfg, P,
-                                                           capturing=capturing), mode, FAST)
+                            r = route(half_call(kind, m, cfg, P, capturing=capturing), mode,
+                                      FAST)
                             ar_route = route(dataclasses.replace(ar, capturing=capturing),
                                              "auto", {"p2p": None})
                             if mode == "auto" and ar_route.backend != "p2p":
@@ -315,13 +314,12 @@ def test_half_calls_take_p2p_where_the_kernels_take_them():
                             assert (r.tile, r.step, r.num_warps) == \
                                 (want.tile, want.step, want.num_warps), (P, m, kind, r)
                             assert kind.replace("_", "-") in r.reason
-    r = route_half("all_gather", half_call("all_gather", 4096, P=4), "p2p", FAST)
+    r = route(half_call("all_gather", 4096, P=4), "p2p", FAST)
     assert "'p2p'" in r.reason
 
 
 def test_half_calls_fall_back_to_the_reference_and_say_why():
-    pytest.importorskip("triton")
-    from echo_tp.kernels.allreduce_plan import supported_half
+    from echo_tp.kernels.fits import fits
     for kind in routing.HALVES:
         name = kind.replace("_", "-")
         c = half_call(kind, 4096)
@@ -329,29 +327,29 @@ def test_half_calls_fall_back_to_the_reference_and_say_why():
                                      ("auto", {"p2p": "the group spans several nodes"},
                                       "several nodes"),
                                      ("p2p", {}, "not built")):
-            r = route_half(kind, c, mode, available)
+            r = route(c, mode, available)
             assert r.backend == "reference" and why in r.reason and name in r.reason, r
         for bad, why in ((half_call(kind, 4096, on_gpu=False), "GPU"),
                          (half_call(kind, 4096, EchoConfig(bits=16)), "bits=16")):
             for mode in ("auto", "p2p"):
-                r = route_half(kind, bad, mode, FAST)
+                r = route(bad, mode, FAST)
                 assert r.backend == "reference" and why in r.reason, (mode, r)
         # what the kernels cannot take: 'p2p' -> the quantized reference, 'auto' -> plain
         for bad, why in ((half_call(kind, 4096, EchoConfig(state_dtype="float64")), "float64"),
                          (half_call(kind, 4096, tensor_unfit="dtype torch.int8"), "int8")):
             for mode, backend in (("auto", "plain"), ("p2p", "reference")):
-                r = route_half(kind, bad, mode, FAST)
+                r = route(bad, mode, FAST)
                 assert r.backend == backend and why in r.reason, (mode, r)
         # a chunk of 300 values is not whole 128-value groups: the kernels' own reason
         x = torch.zeros(2 * 300 if kind == "reduce_scatter" else 300, dtype=torch.bfloat16)
-        unfit = supported_half(kind, x, DEFAULT, 2)
+        unfit = fits(kind, x, DEFAULT, world_size=2)
         assert unfit is not None and "whole number" in unfit, unfit
-        r = route_half(kind, half_call(kind, 300, tensor_unfit=unfit), "p2p", FAST)
+        r = route(half_call(kind, 300, tensor_unfit=unfit), "p2p", FAST)
         assert r.backend == "reference" and "whole number of 128-value groups" in r.reason, r
     with pytest.raises(ValueError, match="kind"):
-        route_half("broadcast", half_call("all_gather", 128))
+        route(dataclasses.replace(half_call("all_gather", 128), kind="broadcast"))
     with pytest.raises(ValueError, match="mode"):
-        route_half("all_gather", half_call("all_gather", 128), "fastest", FAST)
+        route(half_call("all_gather", 128), "fastest", FAST)
 
 
 class _HalfRecorder(_Recorder):
@@ -381,14 +379,14 @@ def test_dispatcher_routes_the_halves_and_logs_once(caplog):
                for _, r in backends["reference"].calls)
     assert sum("-> reference" in m for m in caplog.messages) == 2    # once per kind
     assert len(d._routes) == 2 and d.last_backend == "reference"
-    p2p = route_half("reduce_scatter", half_call("reduce_scatter", 512), "p2p", FAST)
-    d.route_half = lambda kind, x, cfg, state=None: p2p            # the route a CUDA x gets
+    p2p = route(half_call("reduce_scatter", 512), "p2p", FAST)
+    d.route = lambda x, cfg, kind="all_reduce", state=None: p2p     # the route a CUDA x gets
     y = d.run_half("reduce_scatter", x, DEFAULT, state=None, backward=False)
     assert backends["p2p"].calls == [("reduce_scatter", p2p)] and y.numel() == 512
     assert d.last_backend == "p2p" and d.last_route is p2p
-    plain = route_half("all_gather", half_call("all_gather", 512), "auto", FAST)
+    plain = route(half_call("all_gather", 512), "auto", FAST)
     assert plain.backend == "plain" and "crossover" in plain.reason  # small: NCCL's 16-bit
-    d.route_half = lambda kind, x, cfg, state=None: plain
+    d.route = lambda x, cfg, kind="all_reduce", state=None: plain
     y = d.run_half("all_gather", x, DEFAULT, state=None, backward=False)
     assert backends["plain"].calls == [("all_gather", plain)] and y.numel() == 2048
     sim = SimulatedCommunicator(2)
@@ -400,3 +398,29 @@ def test_dispatcher_routes_the_halves_and_logs_once(caplog):
                for m in caplog.messages) == 1
     assert sim.dispatcher.last_route.backend == "reference"   # simulated: its transport
     assert sim.dispatcher.last_backend == "simulated"
+
+
+def test_every_backend_keeps_the_contract():
+    """The five backends subclass collective/backend.Backend and say what they offer: the
+    reference, plain and simulated-fused ones the three collectives, p2p the residual add too,
+    the one-shot backend the all-reduce and the whole boundary; declining names the op, an
+    unknown op is refused, and an op not offered raises instead of running."""
+    from echo_tp.collective.backend import OFFERS
+    from echo_tp.collective.dispatch import PlainBackend, TransportBackend
+    from echo_tp.collective.oneshot import OneShotBackend
+    from echo_tp.collective.p2p import P2PBackend
+    from echo_tp.collective.simulated import SimTransport
+    from echo_tp.collective.simulated_fused import FusedSimBackend
+    offers = {TransportBackend: COLLECTIVES, PlainBackend: COLLECTIVES,
+              FusedSimBackend: COLLECTIVES, P2PBackend: COLLECTIVES | {"residual"},
+              OneShotBackend: {"all_reduce", "add_rmsnorm"}}
+    for cls, want in offers.items():
+        assert Backend in cls.__mro__ and cls.offers == want and want <= set(OFFERS), cls
+    ref = TransportBackend(SimTransport(2))
+    x = torch.zeros(2, 256)
+    assert ref.declines("all_reduce", x, DEFAULT) is None
+    assert "does not offer residual" in ref.declines("residual", x, DEFAULT)
+    with pytest.raises(ValueError, match="op must be one of"):
+        ref.declines("broadcast", x, DEFAULT)
+    with pytest.raises(NotImplementedError, match="add_rmsnorm"):
+        ref.run_add_rmsnorm(x, x, torch.ones(256), 1e-6)

@@ -15,7 +15,7 @@ What is compared with what:
 - shapes along dim (outputs contiguous), bits=16 against the plain sums, a group of one returns
   its input exactly, and bad input gets a ValueError that says what to fix.
 Where to look first: collective/sharded.py (chunk padding, own chunk, state update), then
-EchoCommunicator._half_view (dim handling) and the transports' sum_scatter / gather_cat.
+halves.half_view (dim handling) and the transports' sum_scatter / gather_cat.
 """
 import os
 

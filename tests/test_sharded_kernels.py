@@ -1,7 +1,7 @@
 """The reduce-scatter and all-gather halves on the stage kernels against their pure-torch
 reference, on the CPU under TRITON_INTERPRET=1 (issue 20 item 4). Compared bit for bit:
 
-  * kernels.simulated_fused.SimulatedFused.reduce_scatter (entry -> reduce with HALF=1 over P
+  * collective.simulated_fused.SimulatedFused.reduce_scatter (entry -> reduce with HALF=1 over P
     per-rank buffers: the owner sum stored as y, no requantization)  vs
     collective.sharded.compensated_reduce_scatter over SimTransport;
   * SimulatedFused.all_gather (encode = the reduce kernel with HALF=2, then the tail over all
@@ -11,7 +11,7 @@ reference, on the CPU under TRITON_INTERPRET=1 (issue 20 item 4). Compared bit f
     no state / the paper's fp32 pair / the default single bf16 tensor, forward and backward
     (the power of two over the group); chunks of 3 groups in tiles of 2 (a partial tile per
     segment);
-  * kernels.allreduce_plan.supported_half: which calls the kernels refuse, and why;
+  * kernels.fits.fits: which halves the kernels refuse, and why;
   * kernels.allreduce_plan.next_call (the p2p halves' pair of workspaces used in turn): each
     call bumps the pair's epoch once and points the table at workspace epoch % 2.
 The GPU forms (compiled, larger sizes, P up to 8): tests/test_kernels_gpu.py -k halves.
@@ -37,8 +37,9 @@ from echo_tp.collective.sharded import (compensated_all_gather,  # noqa: E402
 from echo_tp.collective.simulated import SimTransport  # noqa: E402
 from echo_tp.compensator import CompState  # noqa: E402
 from echo_tp.config import EchoConfig  # noqa: E402
-from echo_tp.kernels.allreduce_plan import next_call, supported_half  # noqa: E402
-from echo_tp.kernels.simulated_fused import SimulatedFused  # noqa: E402
+from echo_tp.kernels.allreduce_plan import next_call  # noqa: E402
+from echo_tp.kernels.fits import fits  # noqa: E402
+from echo_tp.collective.simulated_fused import SimulatedFused  # noqa: E402
 
 SEED = int(os.environ.setdefault("ECHO_TEST_SEED", str(int.from_bytes(os.urandom(4), "little"))))
 G = 128
@@ -103,23 +104,23 @@ def test_halves_match_sharded_reference(kind, case):
         assert st.m1.abs().amax() > 0                          # the state was written
 
 
-def test_supported_half_says_why():
+def test_fits_says_why_for_the_halves():
     """The kernels take chunks of whole groups of a 1-D contiguous bf16/fp16/fp32 tensor at 4
     or 8 bits; the other calls get a reason (and SimulatedFused a ValueError)."""
     cfg = EchoConfig()
     P = 4
-    assert supported_half("reduce_scatter", torch.zeros(P * M), cfg, P) is None
-    assert supported_half("all_gather", torch.zeros(M), cfg, P) is None
-    assert "equal chunks" in supported_half("reduce_scatter", torch.zeros(P * M + 1), cfg, P)
-    assert "whole number" in supported_half("reduce_scatter", torch.zeros(P * 200), cfg, P)
-    assert "whole number" in supported_half("all_gather", torch.zeros(200), cfg, P)
-    assert "empty" in supported_half("all_gather", torch.zeros(0), cfg, P)
-    assert "bits=16" in supported_half("all_gather", torch.zeros(M), EchoConfig(bits=16), P)
-    assert "1-D" in supported_half("all_gather", torch.zeros(3, G), cfg, P)
+    assert fits("reduce_scatter", torch.zeros(P * M), cfg, world_size=P) is None
+    assert fits("all_gather", torch.zeros(M), cfg, world_size=P) is None
+    assert "equal chunks" in fits("reduce_scatter", torch.zeros(P * M + 1), cfg, world_size=P)
+    assert "whole number" in fits("reduce_scatter", torch.zeros(P * 200), cfg, world_size=P)
+    assert "whole number" in fits("all_gather", torch.zeros(200), cfg, world_size=P)
+    assert "empty" in fits("all_gather", torch.zeros(0), cfg, world_size=P)
+    assert "bits=16" in fits("all_gather", torch.zeros(M), EchoConfig(bits=16), world_size=P)
+    assert "1-D" in fits("all_gather", torch.zeros(3, G), cfg, world_size=P)
     wrong = CompState.zeros((M,), "cpu", torch.float32)             # config says bf16
-    assert "state" in supported_half("all_gather", torch.zeros(M), cfg, P, wrong)
+    assert "state" in fits("all_gather", torch.zeros(M), cfg, world_size=P, state=wrong)
     with pytest.raises(ValueError, match="kind"):
-        supported_half("all_reduce", torch.zeros(M), cfg, P)
+        fits("broadcast", torch.zeros(M), cfg, world_size=P)
     with pytest.raises(ValueError, match="whole number"):
         SimulatedFused(2).all_gather(torch.zeros(2, 200), cfg, state=None)
 

@@ -33,8 +33,8 @@ import torch.nn.functional as F
 
 from echo_tp import EchoConfig, SimulatedCommunicator
 from echo_tp.models import ModelConfig, build_meta_model, init_weights
-from echo_tp.tp import (full_state_dict, grad_norm, make_policy, parallelize, parse_comm_spec,
-                        rank_parameters, sync_partial_grads)
+from echo_tp.tp import (WidthPlan, full_state_dict, grad_norm, make_policy, parallelize,
+                        parse_comm_spec, rank_parameters, sync_partial_grads)
 from harness import run_ranks, two_timescale
 
 CASES = {  # name -> (preset, ModelConfig overrides, world sizes it runs at)
@@ -300,10 +300,10 @@ def test_policies_and_comm_specs():
     spec = parse_comm_spec("echo4:eta=0.9,quantizer=naive,g=256,residual=local")
     assert spec.config == EchoConfig(bits=4, eta=0.9, quantizer="naive", group_size=256,
                                      residual="local")
-    assert parse_comm_spec("early8").policy == "early8"
+    assert parse_comm_spec("early8").widths.policy == "early8"
     assert parse_comm_spec("4").config.eta == 0.0
     assert parse_comm_spec("echo4bf").config.state_dtype == "bfloat16"
-    assert parse_comm_spec("16:policy=early8").policy == "early8"
+    assert parse_comm_spec("16:policy=early8").widths.policy == "early8"
     for bad, msg in (("echo5", "unknown comm config"), ("echo4:eta", "KEY=VALUE"),
                      ("echo4:bogus=1", "unknown key"), ("echo4:eta=x", "not a valid"),
                      ("echo4:policy=late", "unknown policy"), ("echo4:g=100", "power of two")):
@@ -438,7 +438,7 @@ def test_sequence_parallel_sites_and_errors():
 
 
 def test_edge_sites_at_edge_bits_in_both_directions():
-    """EchoConfig.edge_bits (8 by default): the first and last site run at 8 bits forward and
+    """WidthPlan.edge_bits (8 by default): the first and last site run at 8 bits forward and
     backward where the policy leaves the width to the config; an explicit width wins; 0, the
     naive presets and a uniform policy keep every site at the config's width."""
     L = build("qwen3").cfg.n_layers
@@ -469,16 +469,17 @@ def test_edge_sites_at_edge_bits_in_both_directions():
         assert order[0] == 8 and order[-1] == 8, (d, seq)
     assert site_bits(EchoConfig(), policy={0: 16})[0][("f", 0)] == 16
     assert site_bits(EchoConfig(), policy={0: 16})[0][("f", last)] == 8
-    for cfg, policy in ((EchoConfig(edge_bits=0), None), (EchoConfig.from_name("4"), None),
-                        (EchoConfig.from_name("echo4-output"), None), (EchoConfig(), "uniform4")):
+    naive4, paper = parse_comm_spec("4"), parse_comm_spec("echo4-output")
+    for cfg, policy in ((EchoConfig(), WidthPlan(edge_bits=0)), (naive4.config, naive4.widths),
+                        (paper.config, paper.widths), (EchoConfig(), "uniform4")):
         assert 8 not in site_bits(cfg, policy)[0].values(), (cfg, policy)
     assert set(site_bits(EchoConfig(bits=16))[0].values()) == {None}     # never narrowed
     with pytest.raises(ValueError, match="edge_bits must be one of"):
-        EchoConfig(edge_bits=6)
+        WidthPlan(edge_bits=6)
 
 
 def test_sequence_parallel_gather_bits():
-    """EchoConfig(gather_bits=8): every all-gather of an SP pass (forward and backward) runs at
+    """WidthPlan(gather_bits=8): every all-gather of an SP pass (forward and backward) runs at
     8 bits, the reduce-scatters at the sites' own 4; a site set wider (16) keeps its width;
     the 8-bit gathers bring the logits closer to 16 bits than 4-bit gathers do."""
     L = build("qwen3").cfg.n_layers
@@ -487,8 +488,9 @@ def test_sequence_parallel_gather_bits():
     runs = {}
     for gather in (0, 8):
         model = build("qwen3")
-        comm = SimulatedCommunicator(2, EchoConfig(bits=4, gather_bits=gather, edge_bits=0))
-        parallelize(model, comm, policy={0: 16}, sequence_parallel=True)
+        comm = SimulatedCommunicator(2, EchoConfig(bits=4))
+        parallelize(model, comm, policy=WidthPlan(policy={0: 16}, gather_bits=gather,
+                                                  edge_bits=0), sequence_parallel=True)
         bits = []
 
         def recording(self, kind, x, dim, direction, b, compensate):
@@ -508,4 +510,4 @@ def test_sequence_parallel_gather_bits():
     assert {b for k, _, b in runs[0][0] if k == "all_gather"} == {4, 16}
     assert 0 < runs[8][1] < runs[0][1], (runs[8][1], runs[0][1])
     with pytest.raises(ValueError, match="gather_bits must be one of"):
-        EchoConfig(gather_bits=6)
+        WidthPlan(gather_bits=6)

@@ -202,7 +202,7 @@ def test_plain_path_equals_a_plain_model_and_the_p1_tp_model(data, tmp_path):
     assert float(rows[0]["grad_norm"]) == pytest.approx(float(norm), rel=1e-5)
     # Five steps against the TP engine at P = 1 (simulated), trained with the same parts.
     spec = parse_comm_spec("16")
-    tp = parallelize(fresh(), SimulatedCommunicator(1, spec.config), None, policy=spec.policy)
+    tp = parallelize(fresh(), SimulatedCommunicator(1, spec.config), None, policy=spec.widths)
     opt = build_optimizer(tp, o)
     batches = TokenBatches(tokens, seq_len=32, batch_size=4, seed=0, bos_id=SEP, sep_id=SEP)
     for step, row in enumerate(rows):

@@ -18,61 +18,69 @@ per direction and kind (reset by new_pass with the all-reduce's) and the same ch
 They leave no telemetry rows (telemetry covers the all-reduce).
 
 Defined answers (issues 15, 28):
-* Ranks must make the same calls. A call's fixed part (kind, dtype, bits, direction, device)
-  is checked once per communicator with one small all-gather of 6 integers (the numel of that
-  first call among them), then remembered: ranks that disagree get a ValueError on every rank
-  before any packet moves. The numel, which a server changes with every prefill length and
-  batch size, is checked without a collective of its own on quantized CPU calls: the reference
-  transport carries it in-band (collective/inband.py), so ranks whose numels differ get the same
-  ValueError on every rank after the first collective of the call, before anything is
-  returned; a call whose rows are wider than any before pays one 3-integer agreement. CUDA
-  calls and 16-bit calls check each new (fixed part, numel) once (on CUDA reading an in-band
-  header would be a host sync per call; the 16-bit calls are torch's own collectives, bit for
-  bit), remembering at most MAX_CHECKED of them. ECHO_DEBUG_CHECKS=1 checks the whole
-  signature on every call (the default cannot tell when a rank repeats a remembered signature
-  while a peer makes a new one, or when two ranks' numels fall in different width classes,
-  unless both rows are wider than any sent before: gloo then aborts or times out).
+* Ranks must make the same calls: every call's signature (kind, numel, dtype, bits, direction,
+  device) is agreed across ranks before a packet moves, the numel of quantized CPU calls
+  in-band (echo_tp/agreement.py says how and what it costs); ranks that disagree get a
+  ValueError on every rank.
 * Zero-size inputs return zero-size outputs of their shape, and take part in the checks (a
   quantized CPU call runs its collectives with empty packets, so its length is compared too).
 * A group of one returns its input exactly (a copy, or x itself with inplace=True).
-* One communicator serves one thread: a second thread entering a collective while another is
-  inside raises RuntimeError, and the communicator refuses every later call (the two calls'
-  packets may have met their peers' in either order); build one communicator per thread.
+* One communicator serves one thread (echo_tp/guard.py): a second thread entering a collective
+  while another is inside raises RuntimeError, and the communicator refuses every later call.
 * Inputs that require grad (with grad mode on) are refused: the collectives are no autograd
   ops; the TP layers (tp/sites.py) give them their backward.
 * Calls outside any pass keep one state stream per tensor size; past MAX_STREAMS sizes the
   oldest stream is dropped (its compensation restarts from zero, as at a new pass).
+
+Where the rest lives: the halves' shapes (dim, the simulated rank dim) in echo_tp/halves.py,
+the backends and which one a call gets in collective/ (dispatch.py, routing.py).
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import logging
-import threading
-from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from . import envs
-from .collective.dispatch import Dispatcher, build_dispatcher
-from .collective.inband import CallLengthMismatch
-from .collective.reference import DistTransport, group_wait_s
+from .agreement import Agreement, check_same_config
+from .collective.dispatch import Dispatcher, TransportBackend, build_dispatcher
+from .collective.reference import group_wait_s
 from .collective.simulated import SimTransport
 from .compensator import PassState
-from .config import DIRECTIONS, EchoConfig, check_bits
+from .config import DIRECTIONS, DTYPES, KINDS, EchoConfig, check_bits
+from .guard import OneThread
+from .halves import half_view
+from .norm import add_rmsnorm, check_add_rmsnorm, rmsnorm
 from .telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-KINDS = ("all_reduce", "reduce_scatter", "all_gather")
-"""The collectives a communicator runs (part of each call's signature)."""
 MAX_STREAMS = 16
 """Compensator state streams (distinct tensor sizes) one direction keeps; the oldest beyond."""
-MAX_CHECKED = 4096
-"""Exact call signatures (CUDA and 16-bit calls) one communicator remembers; the least recently
-used beyond (it is checked again when it comes back: every rank forgets the same one)."""
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """A block boundary riding on an all-reduce of y: residual_out = residual + y, normed =
+    RMSNorm(residual_out) * weight (residual: the call's shape and dtype)."""
+
+    residual: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+
+
+@dataclass(frozen=True)
+class Reduced:
+    """An all-reduce's result: `out` is y ('y'), residual + y ('residual_out': the backend
+    added it where y is decoded) or (normed, residual_out) ('normed': the backend ran the
+    whole boundary)."""
+
+    out: object
+    form: str = "y"
 
 
 class EchoCommunicator:
@@ -91,14 +99,10 @@ class EchoCommunicator:
         self.half_passes = {k: {d: PassState() for d in DIRECTIONS} for k in KINDS[1:]}
         """The same for the reduce-scatter and all-gather: [kind][direction]."""
         self.telemetry = Telemetry() if telemetry else None
+        self.agreement = Agreement(group, dispatcher.lengths)
+        """The cross-rank call check (echo_tp/agreement.py; quantized CPU calls: in-band)."""
+        self.guard = OneThread()
         self._configs: dict[int, EchoConfig] = {}
-        self._debug_checks = envs.debug_checks()
-        self._lengths = dispatcher.lengths         # quantized CPU calls: the numel in-band
-        self._agreed: set[tuple] = set()           # fixed parts every rank agreed on
-        self._checked: OrderedDict[tuple, None] = OrderedDict()   # exact ones (CUDA, 16-bit)
-        self._check_transport = None
-        self._entry = threading.Lock()
-        self._broken: str | None = None
         self._open_scopes: set[str] = set()
 
     @classmethod
@@ -180,8 +184,8 @@ class EchoCommunicator:
         `bits` overrides the config's width for this site (per-site policies). `inplace=True`
         lets a plain (16-bit) all-reduce reuse x's storage (saves a copy; the caller must not
         need x afterwards); quantized calls always return a new tensor."""
-        return self._guarded("all_reduce",
-                             lambda: self._all_reduce(x, direction, bits, inplace)[0])
+        with self.guard.entered("all_reduce"):
+            return self._all_reduce(x, direction, bits, inplace).out
 
     def reduce_scatter(self, x: torch.Tensor, *, dim: int = 0, direction: str = "forward",
                        bits: int | None = None, compensate: bool = True) -> torch.Tensor:
@@ -192,8 +196,8 @@ class EchoCommunicator:
         x [P, ...] (rank i's tensor at index i; dim counts in rank i's tensor) -> [P, ...].
         compensate=False: this call neither applies nor updates the error feedback (for an
         output that is not summed downstream, where a fed-back error is added, not cancelled)."""
-        return self._guarded("reduce_scatter", lambda: self._half(
-            "reduce_scatter", x, dim, direction, bits, compensate))
+        with self.guard.entered("reduce_scatter"):
+            return self._half("reduce_scatter", x, dim, direction, bits, compensate)
 
     def all_gather(self, x: torch.Tensor, *, dim: int = 0, direction: str = "forward",
                    bits: int | None = None, compensate: bool = True) -> torch.Tensor:
@@ -202,25 +206,8 @@ class EchoCommunicator:
         x's dtype. Each shard is quantized once, by its rank; every rank (the owner too) decodes
         the same codes, so the output is bit-identical on every rank (collective/sharded.py).
         Simulated: x [P, ...] -> [P, ...] (identical rows). compensate: as reduce_scatter's."""
-        return self._guarded("all_gather", lambda: self._half(
-            "all_gather", x, dim, direction, bits, compensate))
-
-    def _guarded(self, name: str, call):
-        """call() as the one thread inside this communicator (see the module docstring)."""
-        if not self._entry.acquire(blocking=False):
-            self._broken = (f"{name} was entered from two threads at once on one "
-                            "communicator; the calls' results are undefined (their packets may "
-                            "have met the peers' in either order), so this communicator refuses "
-                            "every call now. Use one communicator per thread, or serialize the "
-                            "calls")
-            raise RuntimeError(self._broken)
-        try:
-            self._refuse_if_broken()
-            out = call()
-            self._refuse_if_broken()
-            return out
-        finally:
-            self._entry.release()
+        with self.guard.entered("all_gather"):
+            return self._half("all_gather", x, dim, direction, bits, compensate)
 
     def all_reduce_add_rmsnorm(self, partial: torch.Tensor, residual: torch.Tensor,
                                weight: torch.Tensor, eps: float, *, direction: str = "forward",
@@ -242,15 +229,14 @@ class EchoCommunicator:
         Simulated, with one residual [..., H] for every virtual rank (and a backend that does
         not add it): the ranks' y rows are identical, so the add and the norm run once, on
         row 0 (each row's bits), and both outputs are that row expanded over the ranks."""
-        from .norm import add_rmsnorm, check_add_rmsnorm, rmsnorm
         self._check_input(partial, "all_reduce")
         if self.simulated and residual.shape == partial.shape[1:] and (
                 residual.dtype != partial.dtype or not self.dispatcher.adds_residual(
                     self._flatten(partial), self.config_for(bits))):
             if residual.dtype == partial.dtype:                  # the calls of the paths below
                 check_add_rmsnorm(partial[0], residual, weight)       # refused before the call
-                y = self._guarded("all_reduce", lambda: self._all_reduce(
-                    partial, direction, bits, False))[0][0]
+                with self.guard.entered("all_reduce"):
+                    y = self._all_reduce(partial, direction, bits, False).out[0]
             else:
                 y = self.all_reduce(partial, direction=direction, bits=bits)[0]
             dtype = torch.promote_types(y.dtype, residual.dtype)
@@ -266,56 +252,50 @@ class EchoCommunicator:
             y = self.all_reduce(partial, direction=direction, bits=bits)
             return add_rmsnorm(y.to(dtype), residual.to(dtype).contiguous(), weight, eps)
         check_add_rmsnorm(partial, residual, weight)
-        out, added = self._guarded("all_reduce", lambda: self._all_reduce(
-            partial, direction, bits, False, residual=residual, norm=(weight, eps)))
-        if added == "normed":                  # the whole boundary in the backend's kernel
-            return out
-        if added:
-            return rmsnorm(out, weight, eps), out
-        return add_rmsnorm(out, residual.contiguous(), weight, eps)
+        with self.guard.entered("all_reduce"):
+            r = self._all_reduce(partial, direction, bits, False, Boundary(residual, weight, eps))
+        if r.form == "normed":                 # the whole boundary in the backend's kernel
+            return r.out
+        if r.form == "residual_out":
+            return rmsnorm(r.out, weight, eps), r.out
+        return add_rmsnorm(r.out, residual.contiguous(), weight, eps)
 
-    def _refuse_if_broken(self) -> None:
-        if self._broken is not None:
-            raise RuntimeError(self._broken)
-
-    def _all_reduce(self, x, direction, bits, inplace, residual=None, norm=None):
-        """-> (y, added): added=True when residual was given and the backend returned
-        residual + y instead of y; with norm=(weight, eps) too, where the call's backend runs
-        the whole boundary (Dispatcher.boundary_backend): ((normed, residual_out), "normed")."""
+    def _all_reduce(self, x, direction, bits, inplace, boundary: Boundary | None = None
+                    ) -> Reduced:
+        """The all-reduce of x; with a boundary, what of it the call's backend runs too
+        (Reduced.form; Dispatcher.adds_residual, Dispatcher.run_boundary)."""
         _check_direction(direction)
         self._check_input(x, "all_reduce")
         cfg = self.config_for(bits)
         ps = self.passes[direction]
         site = ps.sites
         flat = self._flatten(x)
-        inband = not self.simulated and self._check_call(flat, cfg, direction, "all_reduce")
+        inband = not self.simulated and self.agreement.check(flat, cfg, direction, "all_reduce")
         ps.sites += 1
         if self.world_size == 1:       # the sum over a group of one is the input, exactly
-            return (x if inplace else x.clone()), False
+            return Reduced(x if inplace else x.clone())
         if flat.shape[-1] == 0 and not inband:
-            return x.clone(), False
+            return Reduced(x.clone())
         state = self._state_of(ps, flat, cfg)
         record = self.telemetry is not None and cfg.quantized
         inplace = inplace and x.is_contiguous() and (flat is x or flat.data_ptr() == x.data_ptr())
-        if norm is not None and residual is not None and not record and not self.simulated:
-            b = self.dispatcher.boundary_backend(flat, cfg)
-            if b is not None:
-                rows = flat.view(-1, x.shape[-1])
-                res = residual.reshape(rows.shape).contiguous()
-                if b.add_rmsnorm_unfit(rows, res, norm[0]) is None:
-                    normed, rout = b.run_add_rmsnorm(rows, res, norm[0], norm[1])
-                    return (normed.reshape(x.shape), rout.reshape(x.shape)), "normed"
-        added = residual is not None and not record and self.dispatcher.adds_residual(flat, cfg)
-        with self._in_band(inband, flat, cfg, direction, "all_reduce"):
+        if boundary is not None and not record and not self.simulated:
+            done = self.dispatcher.run_boundary(flat, cfg, boundary.residual, boundary.weight,
+                                                boundary.eps)
+            if done is not None:
+                return Reduced(tuple(t.reshape(x.shape) for t in done), "normed")
+        added = boundary is not None and not record and self.dispatcher.adds_residual(flat, cfg)
+        with self.agreement.in_band(inband, flat, cfg, direction, "all_reduce"):
             y, rec = self.dispatcher.run(flat, cfg, state=state,
                                          backward=direction == "backward", record=record,
                                          inplace=inplace,
-                                         residual=residual.reshape(flat.shape).contiguous()
-                                         if added else None)
+                                         residual=boundary.residual.reshape(flat.shape)
+                                         .contiguous() if added else None)
         if self.telemetry is not None:
             self.telemetry.record(direction=direction, site=site, bits=cfg.bits, x=flat, y=y,
                                   rec=rec, simulated=self.simulated)
-        return (y if flat is x else y.reshape(x.shape)), added
+        return Reduced(y if flat is x else y.reshape(x.shape),
+                       "residual_out" if added else "y")
 
     def _half(self, kind, x, dim, direction, bits, compensate):
         """A reduce-scatter or all-gather: the checks of all_reduce, dim moved to the front."""
@@ -323,49 +303,20 @@ class EchoCommunicator:
         self._check_input(x, kind)
         cfg = self.config_for(bits, kind)
         ps = self.half_passes[kind][direction]
-        flat, restore = self._half_view(x, dim, kind)
-        inband = not self.simulated and self._check_call(flat, cfg, direction, kind)
+        if self.simulated:
+            self._flatten(x)                               # the leading-dim check
+        flat, restore = half_view(x, dim, kind, self.world_size, self.simulated)
+        inband = not self.simulated and self.agreement.check(flat, cfg, direction, kind)
         ps.sites += 1
         if self.world_size == 1:       # a group of one: its chunk / its gather is the input
             return x.clone()
         if flat.shape[-1] == 0 and not inband:
             return restore(flat.clone())
         state = self._state_of(ps, flat, cfg) if compensate else None
-        with self._in_band(inband, flat, cfg, direction, kind):
+        with self.agreement.in_band(inband, flat, cfg, direction, kind):
             y = self.dispatcher.run_half(kind, flat, cfg, state=state,
                                          backward=direction == "backward")
         return restore(y)
-
-    def _half_view(self, x: torch.Tensor, dim: int, kind: str):
-        """x -> (flat [*B, n] with `dim` moved to the front of each rank's tensor and made
-        contiguous, restore: the flat output [*B, n'] -> its shape, dim put back)."""
-        b = 1 if self.simulated else 0
-        if self.simulated:
-            self._flatten(x)                               # the leading-dim check
-        shape = tuple(x.shape[b:])
-        if isinstance(dim, bool) or not isinstance(dim, int):
-            raise ValueError(f"{kind}(dim=...) takes an int, got {dim!r}")
-        if not shape:
-            raise ValueError(f"{kind} needs a tensor of at least one dim per rank, got shape "
-                             f"{tuple(x.shape)}")
-        if not -len(shape) <= dim < len(shape):
-            raise ValueError(f"{kind}: dim {dim} is out of range for a rank's tensor of shape "
-                             f"{shape}")
-        d = dim % len(shape)
-        P = self.world_size
-        if kind == "reduce_scatter" and shape[d] % P:
-            raise ValueError(f"reduce_scatter splits dim {dim} of a rank's tensor {shape} into "
-                             f"{P} equal chunks, one per rank: its size {shape[d]} must be "
-                             f"divisible by the group size {P}")
-        xm = (x.movedim(b + d, b) if d else x).contiguous()
-        flat = xm.reshape(*x.shape[:b], -1)
-        size = shape[d] // P if kind == "reduce_scatter" else shape[d] * P
-        out_shape = (*x.shape[:b], size, *xm.shape[b + 1:])
-
-        def restore(y: torch.Tensor) -> torch.Tensor:
-            y = y.reshape(out_shape)
-            return y.movedim(b, b + d).contiguous() if d else y
-        return flat, restore
 
     def _state_of(self, ps: PassState, flat: torch.Tensor, cfg: EchoConfig):
         """The compensator state stream of flat's size in ps (None when uncompensated)."""
@@ -376,59 +327,6 @@ class EchoCommunicator:
                        compact=cfg.beta1 == cfg.beta2)   # one tensor when m1 == m2
         _bound_streams(ps, flat.shape[-1])
         return state
-
-    def _check_call(self, flat: torch.Tensor, cfg: EchoConfig, direction: str,
-                    kind: str) -> bool:
-        """Every rank makes this call with the same signature (module docstring): a ValueError
-        on every rank otherwise. Returns whether the call's numel is checked in-band (a
-        quantized CPU call with a transport that carries it: the rest of its signature is
-        checked here once); otherwise the whole signature is checked here once, or on every
-        call under ECHO_DEBUG_CHECKS=1."""
-        sig = (KINDS.index(kind), flat.shape[-1], DTYPES.index(flat.dtype), cfg.bits,
-               DIRECTIONS.index(direction), int(flat.is_cuda))
-        inband = (self._lengths is not None and cfg.quantized and not flat.is_cuda
-                  and not self._debug_checks)
-        if inband:
-            key = sig[:1] + sig[2:]                       # without the numel
-            if key in self._agreed:
-                return True
-        elif sig in self._checked:
-            self._checked.move_to_end(sig)
-            return False
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"echo-tp: the first call of signature {_describe(sig)} "
-                "is inside CUDA graph capture; its once-per-signature check across ranks needs "
-                "a collective and a host read. Make one eager call of each signature before "
-                "capturing (the usual warm-up).")
-        if self._check_transport is None:
-            self._check_transport = DistTransport(self.group)
-        check_same_call(sig, self._check_transport, flat.device)
-        if inband:
-            self._agreed.add(key)
-        elif not self._debug_checks:
-            self._checked[sig] = None
-            if len(self._checked) > MAX_CHECKED:
-                self._checked.popitem(last=False)
-        return inband
-
-    @contextlib.contextmanager
-    def _in_band(self, inband: bool, flat: torch.Tensor, cfg: EchoConfig, direction: str,
-                 kind: str):
-        """The call's numel handed to the transport (when inband), and a length mismatch the
-        transport found turned into the ValueError naming every rank's call."""
-        if not inband:
-            yield
-            return
-        self._lengths.numel = flat.shape[-1]
-        try:
-            yield
-        except CallLengthMismatch as e:
-            sigs = [(KINDS.index(kind), n, DTYPES.index(flat.dtype), cfg.bits,
-                     DIRECTIONS.index(direction), 0) for n in e.numels]
-            raise ValueError(_mismatch(sigs, "the call returned nothing on any rank")) from None
-        finally:
-            self._lengths.numel = None
 
     def _flatten(self, x: torch.Tensor) -> torch.Tensor:
         return x if x.dim() == 1 else x.reshape(-1)
@@ -469,10 +367,9 @@ class SimulatedCommunicator(EchoCommunicator):
 
     def __init__(self, world_size: int, config: EchoConfig | None = None, *,
                  telemetry: bool = False, fused: bool = True):
-        from .collective.dispatch import TransportBackend
-        from .collective.simulated import FusedSimBackend
         ref = TransportBackend(SimTransport(world_size))
         if fused and torch.cuda.is_available() and envs.backend() != "reference":
+            from .collective.simulated_fused import FusedSimBackend   # optional: needs triton
             ref = FusedSimBackend(ref)   # CUDA calls through the p2p kernels (same bits)
         super().__init__(Dispatcher({"reference": ref}, world_size), config,
                          telemetry=telemetry)
@@ -496,17 +393,6 @@ def _check_direction(direction: str) -> None:
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
 
 
-def check_same_config(config: EchoConfig, group=None) -> None:
-    """One small all-gather at setup: every rank must hold the same EchoConfig."""
-    world = dist.get_world_size(group)
-    sigs: list = [None] * world
-    dist.all_gather_object(sigs, config.signature(), group=group)
-    bad = [r for r, s in enumerate(sigs) if s != sigs[0]]
-    if bad:
-        raise ValueError(f"EchoConfig differs across ranks: rank 0 has {sigs[0]}, "
-                         + ", ".join(f"rank {r} has {sigs[r]}" for r in bad))
-
-
 def _bound_streams(ps, keep: int) -> None:
     """At most MAX_STREAMS state streams per direction: drop the oldest (not `keep`)."""
     while len(ps.streams) > MAX_STREAMS:
@@ -515,32 +401,6 @@ def _bound_streams(ps, keep: int) -> None:
         log.warning("echo-tp: more than %d tensor sizes in one pass; dropped the compensator "
                     "state of size %d (start passes with new_pass/pass_scope)", MAX_STREAMS,
                     oldest)
-
-
-def _describe(sig) -> str:
-    kind, n, dt, bits, d, cuda = (int(v) for v in sig)
-    name = KINDS[kind] if 0 <= kind < len(KINDS) else f"collective#{kind}"
-    dtype = DTYPES[dt] if 0 <= dt < len(DTYPES) else f"dtype#{dt}"
-    direction = DIRECTIONS[d] if 0 <= d < len(DIRECTIONS) else f"direction#{d}"
-    return (f"{name}(numel={n}, dtype={dtype}, bits={bits}, direction={direction!r}"
-            + (", on CUDA)" if cuda else ")"))
-
-
-def _mismatch(sigs: list[tuple], what: str) -> str:
-    bad = [r for r, g in enumerate(sigs) if g != sigs[0]]
-    return ("collective calls differ across ranks: rank 0 calls " + _describe(sigs[0]) + ", "
-            + ", ".join(f"rank {r} calls {_describe(sigs[r])}" for r in bad)
-            + ". Every rank must make the same calls in the same order (same collective, numel, "
-            f"dtype, bits and direction); {what}")
-
-
-def check_same_call(sig: tuple, transport, device) -> None:
-    """One small all-gather (6 integers a rank): every rank makes the same call (kind, numel,
-    dtype, bits, direction, device); ValueError on every rank, naming each rank's call,
-    otherwise."""
-    got = transport.all_gather_ints(list(sig), device=device, stage="call-signature check")
-    if any(g != got[0] for g in got):
-        raise ValueError(_mismatch(got, "nothing was sent"))
 
 
 @functools.lru_cache(maxsize=None)

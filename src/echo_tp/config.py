@@ -9,8 +9,10 @@ import dataclasses
 import functools
 import math
 import struct
-from types import SimpleNamespace
 from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
 
 QUANTIZERS = ("zero_aware", "naive", "symmetric")
 STATE_DTYPES = ("float32", "bfloat16", "float64")
@@ -20,6 +22,10 @@ stored value is rounded once to bf16 (round to nearest even). float64: for analy
 RESIDUAL_MODES = ("output", "local")
 BITS = (4, 8, 16)
 DIRECTIONS = ("forward", "backward")
+KINDS = ("all_reduce", "reduce_scatter", "all_gather")
+"""The collectives a communicator runs (part of each call's signature)."""
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+"""The input dtypes every collective takes (the fast kernels' too: kernels/fits.py)."""
 
 
 class ConfigTypeError(TypeError, ValueError):
@@ -123,31 +129,9 @@ class EchoConfig:
     """dtype of the compensator state m1, m2 (SPEC §4: float32). bf16 by default: fp32
     arithmetic, one rounding per store, a quarter of the fp32 pair's state traffic, which decides
     the fused kernels' speed (docs/results/2026-11-30-compact-state.md, -p2p-x2-r4.md)."""
-    gather_bits: int = 8
-    """Sequence parallelism only: the width of the TP engine's all-gathers, which carry a
-    block's input (forward) or its output gradient (backward) and are not compensated
-    (tp/sequence.py); 0: each site's own width. A site at a wider width keeps its own. 8 by
-    default: 4-bit gathers cost +4.4% perplexity on the testbed at TP=8 where 8-bit ones cost
-    +0.36% (4.25 -> 6.25 wire bits per value; docs/results/2026-12-01-sp-testbed.md). The
-    naive presets '4' and '8' gather at their own width."""
-
-    edge_bits: int = 8
-    """TP models only: the width of a model's first and last site (layer 0's attention, the
-    last layer's MLP; both directions) where the bit policy leaves the width to the config;
-    0: the config's width there too. A site at a wider width keeps its own. 8 by default: with
-    error feedback the stream after a site carries only that site's own rounding error, so the
-    last site's error reaches the logits uncancelled, and the first site's is the largest
-    relative to its stream. On the testbed at TP=8 echo4 then closes 97.9% of naive 4-bit's
-    perplexity gap instead of 55.1%, for 4.25 + 4 / n_layers wire bits per value (4.417 at 24
-    layers; docs/results/2026-12-01-edge-sites.md). The naive presets '4' and '8' and the
-    paper's setting 'echo4-output' use 0."""
 
     def __post_init__(self) -> None:
         check_bits(self.bits)
-        if self.gather_bits != 0:
-            check_bits(self.gather_bits, "gather_bits")
-        if self.edge_bits != 0:
-            check_bits(self.edge_bits, "edge_bits")
         # checked at 16 bits too: a per-site policy switches single sites to 4 or 8 bits
         check_group_size(self.group_size)
         if self.quantizer not in QUANTIZERS:
@@ -193,18 +177,18 @@ class EchoConfig:
         """A tuple every rank must agree on (checked once at communicator setup)."""
         return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
 
-    # Named configurations used by the demo, eval and benchmarks.
+    # Named configurations used by the demo, eval and benchmarks (a TP model's width rules of
+    # each: echo_tp.tp.policy.WidthPlan.from_name).
     @classmethod
     def from_name(cls, name: str) -> "EchoConfig":
         presets = {
             "16": dict(bits=16),
-            "8": dict(bits=8, eta=0.0, gather_bits=0, edge_bits=0),
-            "4": dict(bits=4, eta=0.0, gather_bits=0, edge_bits=0),
+            "8": dict(bits=8, eta=0.0),
+            "4": dict(bits=4, eta=0.0),
             "echo8": dict(bits=8),
             "echo4": dict(bits=4),
             # the paper's setting: output residual, eta 0.75, two timescales, fp32 state
-            "echo4-output": dict(bits=4, residual="output", eta=0.75, edge_bits=0,
-                                 **PAPER_STATE),
+            "echo4-output": dict(bits=4, residual="output", eta=0.75, **PAPER_STATE),
             "echo4-local": dict(bits=4, residual="local"),
             # the paper's two-timescale pair with the local residual (the default before
             # 2026-11-30), in fp32 and in bf16 (echo4bf: half the state traffic)
@@ -255,4 +239,4 @@ def _constants(eta: float, a: float, beta1: float, beta2: float) -> CompensatorC
 
 
 __all__ = ["EchoConfig", "QuantSpec", "ConfigTypeError", "check_bits", "CompensatorConstants",
-           "QUANTIZERS", "RESIDUAL_MODES", "DIRECTIONS"]
+           "QUANTIZERS", "RESIDUAL_MODES", "DIRECTIONS", "KINDS", "DTYPES"]

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-import torch
-
 from pathlib import Path
 
+import torch
+from matplotlib.figure import Figure
+from tqdm import tqdm
+
+from .communicator import EchoCommunicator
 from .config import EchoConfig
+from .eval.perplexity import main as eval_main
 from .launch import run_ranks
 from .paths import check_file_target, writing
 
@@ -60,10 +63,8 @@ def site_partials(shape: DemoShape, world_size: int):
 
 
 def _rank_main(rank: int, world_size: int, shape: DemoShape, names: list[str], progress: bool):
-    from .communicator import EchoCommunicator
     bar = None
     if progress and rank == 0:
-        from tqdm import tqdm
         bar = tqdm(total=len(names) * shape.sites, desc="demo", unit="site")
     results = {}
     for name in names:
@@ -112,10 +113,8 @@ def format_table(results: dict) -> str:
 
 
 def plot(results: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig = Figure(figsize=(7, 4.5))           # no pyplot: no global backend state
+    ax = fig.subplots()
     for name, r in results.items():
         t = range(1, len(r["partial_sum_norms"]) + 1)
         ax.plot(t, r["partial_sum_norms"], label=name)
@@ -127,14 +126,12 @@ def plot(results: dict, path: str) -> None:
     fig.tight_layout()
     with writing(path):
         fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def perplexity(*, model: str | Path = DEMO_MODEL, text: str | Path = HELDOUT_TEXT,
                simulate: int = 4, context: int = 256, max_windows: int | None = 64,
                progress: bool = True) -> list[dict]:
     """Held-out perplexity of a trained model under PPL_CONFIGS at simulated TP (CPU, fp32)."""
-    from .eval.perplexity import main as eval_main
     print(f"\nperplexity of {Path(text).name} (held out from training), model {Path(model).name}, "
           f"simulated TP={simulate}:")
     return eval_main(model=str(model), data=str(text), comms=PPL_CONFIGS, context=context,

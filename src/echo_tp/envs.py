@@ -8,8 +8,8 @@
     ECHO_DEBUG_CHECKS         0 | 1                        (check every call's signature)
     ECHO_CLI_TRACEBACK        0 | 1                        (the CLI prints tracebacks)
 
-All are for users (the README's table); test-only switches are fixtures or arguments. A bad
-value raises ValueError naming the flag and what it accepts.
+All are for users (the table in docs/usage/collectives.md); test-only switches are fixtures or
+arguments. A bad value raises ValueError naming the flag and what it accepts.
 """
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def collective_timeout_s() -> float:
     """ECHO_COLLECTIVE_TIMEOUT_S: seconds a rank waits on a peer in any collective of a group
     echo-tp builds (echo_tp.launch, tp/runtime.py under torchrun, the benchmarks) before it fails
     with an error naming its rank and the stage; groups a user builds get it by passing
-    `timeout=echo_tp.launch.group_timeout()` (README)."""
+    `timeout=echo_tp.launch.group_timeout()` (docs/usage/defined-answers.md)."""
     return _float("ECHO_COLLECTIVE_TIMEOUT_S", 300.0)
 
 

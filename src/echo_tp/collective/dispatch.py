@@ -4,13 +4,16 @@ this module builds the backends a group can have and runs the call on the one pi
     'auto' on an intra-node GPU group:  oneshot | p2p | plain | reference (routing.route)
     'auto' elsewhere (CPU/gloo, multi-node), or 'reference':  the reference for every call
     'p2p':  p2p for every call its kernels can take (an error at build if it cannot run)
-    reduce-scatter / all-gather calls (routing.route_half): under 'auto' p2p from the
-        all-reduce's crossover where the stage kernels take them, else plain; under 'p2p' p2p
-        where the kernels take them; the reference for the rest
+    reduce-scatter / all-gather calls (routing.route of a half's Call): under 'auto' p2p from
+        the all-reduce's crossover where the stage kernels take them, else plain; under 'p2p'
+        p2p where the kernels take them; the reference for the rest
 
-A block boundary's residual add (comm.all_reduce_add_rmsnorm) goes into the call where the
-route's backend adds it where y is decoded (`adds_residual`: p2p); `adds_residual(x, cfg)` says
-so before the call, and the caller adds it itself elsewhere.
+Every backend keeps one contract (collective/backend.py: what it offers, why it declines). A
+block boundary's residual add (comm.all_reduce_add_rmsnorm) goes into the call where the
+route's backend offers 'residual' (p2p: added where y is decoded); `adds_residual(x, cfg)` says
+so before the call, and the caller adds it itself elsewhere. `run_boundary` runs the whole
+boundary where the route's backend offers 'add_rmsnorm' and takes the call (the one-shot
+backend at decode sizes), else returns None.
 
 Backends that cannot run (no GPU, no peer access, multi-node) are not built; the reason is
 logged once and every route that falls back because of it says so. Each distinct routing
@@ -27,7 +30,9 @@ import torch.distributed as dist
 from .. import envs
 from ..compensator import CompState
 from ..config import EchoConfig
+from ..kernels.fits import fits, tensor_unfit
 from . import routing, tuning
+from .backend import Backend
 from .chunked import chunked_all_reduce
 from .inband import CallLengths
 from .qar import StepRecord
@@ -38,7 +43,7 @@ from .sharded import compensated_all_gather, compensated_reduce_scatter
 log = logging.getLogger(__name__)
 
 
-class TransportBackend:
+class TransportBackend(Backend):
     """The unfused algorithm (collective/qar.py) over a transport, large calls in bounded
     memory (collective/chunked.py: same bits); takes every call."""
 
@@ -65,11 +70,8 @@ class TransportBackend:
         """x [*B, m] -> every rank's shard in rank order [*B, P*m] (collective/sharded.py)."""
         return compensated_all_gather(x, cfg, self.transport, state=state, backward=backward)
 
-    def close(self) -> None:
-        pass
 
-
-class PlainBackend:
+class PlainBackend(Backend):
     """The plain all-reduce (and reduce-scatter, all-gather) in the input dtype for GPU calls
     the fast path declines (a message below its measured crossover, or a config it loses on). No rounding beyond the dtype's own,
     so no error is injected: the compensator state is left as it is, and the corrections it
@@ -92,13 +94,10 @@ class PlainBackend:
         """x [m] -> every rank's shard [P*m], NCCL's all-gather in x's dtype."""
         return self.transport.gather_cat(x)
 
-    def close(self) -> None:
-        pass
-
 
 class Dispatcher:
-    """backends: name (routing.BACKENDS) -> backend, 'reference' among them. Routes are cached
-    per (numel, dtype, device, layout, config, capture state); the halves' also per kind and
+    """backends: name (routing.BACKENDS) -> Backend, 'reference' among them. Routes are cached
+    per (kind, numel, dtype, device, layout, config, capture state); the halves' also per
     whether the call has compensator state."""
 
     def __init__(self, backends: dict, world_size: int, *, mode: str = "reference",
@@ -122,41 +121,66 @@ class Dispatcher:
         self.last_backend: str | None = None
         self.last_route: Route | None = None
 
-    def route(self, x: torch.Tensor, cfg: EchoConfig) -> Route:
-        """The routing decision for a call of x under cfg (cached)."""
+    def route(self, x: torch.Tensor, cfg: EchoConfig, kind: str = "all_reduce",
+              state: CompState | None = None) -> Route:
+        """The routing decision for a call of `kind` on x under cfg (cached); the halves' also
+        by whether the call has compensator state."""
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        key = (x.numel(), x.dtype, x.device, x.dim() == 1 and x.is_contiguous(), cfg, capturing)
+        layout = x.dim() == 1 and x.is_contiguous()
+        key = (kind, x.numel(), x.dtype, x.device, layout, cfg, capturing,
+               kind != "all_reduce" and state is None)
         r = self._routes.get(key)
         if r is None:
             call = routing.Call.of(x.numel(), x.element_size(), cfg, self.world_size,
-                                   on_gpu=x.is_cuda, capturing=capturing,
-                                   tensor_unfit=routing.tensor_unfit(x, self.device)
-                                   if x.is_cuda and self.device is not None else "not on a GPU")
+                                   on_gpu=x.is_cuda, capturing=capturing, kind=kind,
+                                   tensor_unfit=self._unfit(kind, x, cfg, state))
+            if kind != "all_reduce" and state is None:
+                call = dataclasses.replace(call, state_bytes=0)     # an uncompensated call
             r = self._routes[key] = routing.route(call, self.mode, self.available, self.tables)
             if r.backend not in self.backends:      # a route to a backend this group lacks
                 r = self._routes[key] = Route("reference", f"{r.backend} not built: {r.reason}")
-            if (r.backend, r.reason) not in self._logged:
-                self._logged.add((r.backend, r.reason))
-                log.info("echo-tp: %d-bit calls of %d values -> %s: %s", cfg.bits, x.numel(),
-                         r.backend, r.reason)
+            if (kind, r.backend, r.reason) not in self._logged:
+                self._logged.add((kind, r.backend, r.reason))
+                what = "calls" if kind == "all_reduce" else f"{kind} calls"
+                log.info("echo-tp: %d-bit %s of %d values -> %s: %s", cfg.bits, what,
+                         x.numel(), r.backend, r.reason)
         return r
 
-    def _backend(self, x, cfg):
+    def _unfit(self, kind: str, x: torch.Tensor, cfg: EchoConfig,
+               state: CompState | None) -> str | None:
+        """Why no fast kernel takes x (kernels/fits.tensor_unfit); a quantized half also why
+        the stage kernels cannot take it (kernels/fits.fits)."""
+        if not x.is_cuda or self.device is None:
+            return "not on a GPU"
+        if kind != "all_reduce" and cfg.quantized:
+            return fits(kind, x, cfg, world_size=self.world_size, state=state,
+                        device=self.device)
+        return tensor_unfit(x, self.device)
+
+    def _backend(self, x, cfg, kind: str = "all_reduce", state=None):
         """(backend, route) of a call (route None without routing)."""
         if self._only is not None:
             return self._only, None
-        r = self.route(x, cfg)
+        r = self.route(x, cfg) if kind == "all_reduce" else self.route(x, cfg, kind, state)
         return self.backends[r.backend], r
-
-    def boundary_backend(self, x, cfg):
-        """The call's backend where it runs a whole block boundary (all-reduce + residual add +
-        RMSNorm: `run_add_rmsnorm`, the one-shot backend at decode sizes), else None."""
-        b = self._backend(x, cfg)[0]
-        return b if hasattr(b, "run_add_rmsnorm") else None
 
     def adds_residual(self, x, cfg) -> bool:
         """Whether the call's backend takes `run(residual=...)` (adds it where y is decoded)."""
-        return bool(getattr(self._backend(x, cfg)[0], "adds_residual", False))
+        return self._backend(x, cfg)[0].declines("residual", x, cfg) is None
+
+    def run_boundary(self, x, cfg, residual, weight, eps):
+        """A block boundary (all-reduce + residual add + RMSNorm) in the call's backend, where
+        it offers 'add_rmsnorm' and takes this one: x [n], residual [..., H] (n values),
+        weight [H] -> (normed, residual_out) [rows, H]; None where it does not (the caller runs
+        the parts)."""
+        b = self._backend(x, cfg)[0]
+        if "add_rmsnorm" not in b.offers:
+            return None
+        rows = x.view(-1, residual.shape[-1])
+        res = residual.reshape(rows.shape).contiguous()
+        if b.declines("add_rmsnorm", rows, cfg, residual=res, weight=weight) is not None:
+            return None
+        return b.run_add_rmsnorm(rows, res, weight, eps)
 
     def run(self, x, cfg, *, state, backward, record, inplace=False, residual=None):
         """-> (y, StepRecord or None). residual (x's shape and dtype; only where
@@ -165,55 +189,23 @@ class Dispatcher:
         self.last_backend, self.last_route = b.name, r
         kw = {} if r is None else {"route": r}
         if residual is not None:
-            if not getattr(b, "adds_residual", False):
+            why = b.declines("residual", x, cfg, state=state, residual=residual)
+            if why is not None:
                 raise ValueError(f"backend {b.name!r} does not add a residual (ask "
-                                 "adds_residual(x, cfg) first)")
+                                 f"adds_residual(x, cfg) first): {why}")
             kw["residual"] = residual
         return b.run(x, cfg, state=state, backward=backward, record=record, inplace=inplace,
                      **kw)
 
-    def route_half(self, kind: str, x: torch.Tensor, cfg: EchoConfig,
-                   state: CompState | None = None) -> Route:
-        """The routing decision for a reduce-scatter or all-gather (kind) of x under cfg, with
-        the compensator state or without (cached)."""
-        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        key = (kind, x.numel(), x.dtype, x.device, x.dim() == 1 and x.is_contiguous(), cfg,
-               capturing, state is None)
-        r = self._routes.get(key)
-        if r is None:
-            call = routing.Call.of(x.numel(), x.element_size(), cfg, self.world_size,
-                                   on_gpu=x.is_cuda, capturing=capturing,
-                                   tensor_unfit=self._half_unfit(kind, x, cfg, state))
-            if state is None:
-                call = dataclasses.replace(call, state_bytes=0)     # an uncompensated call
-            r = self._routes[key] = routing.route_half(kind, call, self.mode, self.available,
-                                                       self.tables)
-            if r.backend not in self.backends:      # a route to a backend this group lacks
-                r = self._routes[key] = Route("reference", f"{r.backend} not built: {r.reason}")
-            if (kind, r.backend, r.reason) not in self._logged:
-                self._logged.add((kind, r.backend, r.reason))
-                log.info("echo-tp: %d-bit %s calls of %d values -> %s: %s", cfg.bits, kind,
-                         x.numel(), r.backend, r.reason)
-        return r
-
-    def _half_unfit(self, kind: str, x: torch.Tensor, cfg: EchoConfig,
-                    state: CompState | None) -> str | None:
-        """Why the p2p kernels cannot take this half (routing.tensor_unfit, then
-        kernels/allreduce_plan.supported_half where the group has the p2p backend)."""
-        if not x.is_cuda or self.device is None:
-            return "not on a GPU"
-        why = routing.tensor_unfit(x, self.device)
-        if why is None and cfg.quantized and "p2p" in self.backends:
-            from ..kernels.allreduce_plan import supported_half    # triton: p2p was built
-            why = supported_half(kind, x, cfg, self.world_size, state)
-        return why
-
     def run_half(self, kind: str, x, cfg, *, state, backward):
-        """A reduce-scatter or all-gather (kind): route_half picks the backend and plan."""
-        r = self.route_half(kind, x, cfg, state)
+        """A reduce-scatter or all-gather (kind): the route picks the backend and plan."""
+        if kind not in routing.HALVES:
+            raise ValueError(f"kind must be one of {routing.HALVES}, got {kind!r}")
+        r = self.route(x, cfg, kind, state)
         b = self.backends[r.backend]
         self.last_backend, self.last_route = b.name, r
-        return getattr(b, kind)(x, cfg, state=state, backward=backward, route=r)
+        half = b.reduce_scatter if kind == "reduce_scatter" else b.all_gather
+        return half(x, cfg, state=state, backward=backward, route=r)
 
     def close(self) -> None:
         for b in self.backends.values():

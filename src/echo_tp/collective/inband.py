@@ -1,7 +1,7 @@
 """A quantized call's length, carried in-band by the reference transport on CPU tensors (gloo).
 
 Ranks must make the same calls. A call's fixed part (collective, dtype, bits, direction,
-device) is agreed once per communicator (communicator._check_call); its length, the numel that
+device) is agreed once per communicator (echo_tp/agreement.py); its length, the numel that
 changes with every prefill length and decode batch size of a server, travels with the data
 instead of costing a collective and a host read per new length:
 

@@ -15,25 +15,27 @@ import torch.distributed as dist
 from .. import envs
 from ..compensator import CompState
 from ..config import EchoConfig
+from ..kernels import flags
+from ..kernels import oneshot_kernels as ok
 from . import tuning
+from .backend import Backend
 from .qar import StepRecord
 from .routing import Route
 from .symm import SymmetricBuffer, agreed_sm_count, select_symm_backend
 
 
-class OneShotBackend:
+class OneShotBackend(Backend):
     """Runs the calls routed to 'oneshot' (messages up to `cap_bytes` per rank, the routing
-    table's cap); the buffer is allocated at the first call (a collective moment: every rank
-    makes the same call)."""
+    table's cap) and, where it takes them, whole decode block boundaries (`run_add_rmsnorm`);
+    the buffer is allocated at the first call (a collective moment: every rank makes the same
+    call)."""
 
     name = "oneshot"
+    offers = frozenset({"all_reduce", "add_rmsnorm"})
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, cap_bytes: int,
                  num_warps: int = 4,
                  programs_per_sm: int = tuning.DEFAULT.shape.programs_per_sm.value):
-        from ..kernels import flags
-        from ..kernels import oneshot_kernels as ok
-        self._ok, self._flags = ok, flags
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -55,15 +57,18 @@ class OneShotBackend:
             route: Route | None = None) -> tuple[torch.Tensor, StepRecord | None]:
         self._ready(x)
         y = x if inplace else torch.empty_like(x)   # own tile t is read before y's tile t
-        self._ok.oneshot(x, y, rank=self.rank, lay=self._lay, epochs=self._epochs,
-                         table=self._buf.table, timeout=self._timeout, use_timer=True,
-                         num_warps=self.num_warps)
+        ok.oneshot(x, y, rank=self.rank, lay=self._lay, epochs=self._epochs,
+                   table=self._buf.table, timeout=self._timeout, use_timer=True,
+                   num_warps=self.num_warps)
         return y, None
 
-    def add_rmsnorm_unfit(self, x: torch.Tensor, residual: torch.Tensor,
-                          weight: torch.Tensor) -> str | None:
-        """Why run_add_rmsnorm cannot take this boundary (None when it can; x [rows, H])."""
-        return self._ok.add_rmsnorm_unfit(x, residual, weight, self._lay)
+    def declines(self, op, x, cfg, *, state=None, residual=None, weight=None) -> str | None:
+        """The contract's answer; for 'add_rmsnorm' (x, residual [rows, H], weight [H]) also
+        the kernel's (oneshot_kernels.add_rmsnorm_unfit: row width, buffer, row flags)."""
+        why = super().declines(op, x, cfg, state=state, residual=residual, weight=weight)
+        if why is None and op == "add_rmsnorm":
+            why = ok.add_rmsnorm_unfit(x, residual, weight, self._lay)
+        return why
 
     def run_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                         eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,15 +76,15 @@ class OneShotBackend:
         oneshot_add_rmsnorm_kernel): x, residual [rows, H], weight [H] -> (normed,
         residual_out), bit for bit norm.add_rmsnorm_reference(run(x), residual, ...)."""
         self._ready(x)
-        return self._ok.oneshot_add_rmsnorm(x, residual, weight, eps, rank=self.rank,
-                                            lay=self._lay, epochs=self._epochs,
-                                            table=self._buf.table, timeout=self._timeout,
-                                            use_timer=True, num_warps=self.num_warps)
+        return ok.oneshot_add_rmsnorm(x, residual, weight, eps, rank=self.rank,
+                                      lay=self._lay, epochs=self._epochs,
+                                      table=self._buf.table, timeout=self._timeout,
+                                      use_timer=True, num_warps=self.num_warps)
 
     def _ready(self, x: torch.Tensor) -> None:
         """Raise a peer's error record; check the size; the buffer at the first call (a
         collective moment: every rank makes the same call)."""
-        self._flags.raise_if_set(self._err, self._err_np)
+        flags.raise_if_set(self._err, self._err_np)
         if x.numel() * x.element_size() > self.cap_bytes:
             raise ValueError(f"one-shot backend: {x.numel() * x.element_size()} bytes per rank "
                              f"exceed its buffer of {self.cap_bytes}")
@@ -91,7 +96,7 @@ class OneShotBackend:
 
     def check_error(self) -> None:
         torch.cuda.synchronize(self.device)
-        self._flags.raise_if_set(self._err, self._err_np)
+        flags.raise_if_set(self._err, self._err_np)
 
     def close(self) -> None:
         self._buf = None

@@ -14,7 +14,7 @@ With `residual=` (a block boundary: comm.all_reduce_add_rmsnorm) the kernels tha
 reduce's own segment, the tail) write residual + y instead, torch's `residual + y` bit for bit,
 so the boundary's add costs no pass of its own (the state updates still read y).
 
-The halves (sequence parallelism; routing.route_half; unfused equivalent
+The halves (sequence parallelism; routing.route of a half's Call; unfused equivalent
 collective/sharded.py) run the stage kernels on the layout of the all-reduce of P*m values
 (kernels/allreduce_plan.py), always staged:
 
@@ -44,7 +44,10 @@ import torch.distributed as dist
 from .. import envs
 from ..compensator import CompState
 from ..config import EchoConfig
+from ..kernels import allreduce_plan, flags
+from ..kernels.fits import fits
 from . import tuning
+from .backend import COLLECTIVES, Backend
 from .qar import StepRecord, compensated_all_reduce, grad_scale
 from .reference import DistTransport
 from .routing import Route
@@ -94,8 +97,6 @@ class _HalfWorkspaces:
     record, so the calls after it raise (`raise_if_set`)."""
 
     def __init__(self, lay, group, rank: int, device, err: torch.Tensor):
-        from ..kernels.allreduce_plan import next_call
-        self._next_call = next_call
         self.lay = lay
         self.bufs = [SymmetricBuffer(lay.nbytes, lay.flags_off, group, rank, lay.world_size,
                                      device, err) for _ in range(2)]
@@ -105,21 +106,19 @@ class _HalfWorkspaces:
 
     def advance(self) -> None:
         """A new call: epoch += 1, table = tables[epoch % 2] (one launch, no host sync)."""
-        self._next_call(self.epoch, self.tables, self.table)
+        allreduce_plan.next_call(self.epoch, self.tables, self.table)
 
 
-class P2PBackend:
+class P2PBackend(Backend):
     """Runs the calls routed to 'p2p' (`run`, `reduce_scatter`, `all_gather`); `close` drops
-    the buffers."""
+    the buffers. Offers 'residual' too: run(residual=r) returns r + y, the add done by the
+    kernels that write y."""
 
     name = "p2p"
-    adds_residual = True
-    """run(residual=r) returns r + y, the add done by the kernels that write y."""
+    offers = COLLECTIVES | {"residual"}
 
     def __init__(self, group: dist.ProcessGroup | None = None,
                  shape: tuning.KernelShape = tuning.DEFAULT.shape):
-        from ..kernels import allreduce_plan, flags
-        self._plan, self._flags = allreduce_plan, flags
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -147,7 +146,7 @@ class P2PBackend:
         """-> (y, None), or (residual + y, None) with residual ([n], x's dtype, contiguous);
         record=True: the reference's (y, StepRecord)."""
         if record:   # telemetry needs the unfused intermediates: same numbers, reference path
-            self._flags.raise_if_set(self._err, self._err_np)
+            flags.raise_if_set(self._err, self._err_np)
             y, rec = compensated_all_reduce(x, cfg, self.transport, state=state,
                                             backward=backward, record=True)
             return (y if residual is None else residual + y), rec
@@ -168,7 +167,7 @@ class P2PBackend:
                        backward: bool, route: Route) -> torch.Tensor:
         """x [P*m] -> this rank's chunk of the sum, y [m] in x's dtype; state (m1, m2 [P*m])
         updated in place: sharded.compensated_reduce_scatter over DistTransport, bit for bit
-        (route: routing.route_half's, staged)."""
+        (route: routing.route's for the half, staged)."""
         plan, _, y = self.prepare(x, cfg, route, state=state, backward=backward,
                                   half="reduce_scatter")
         plan.entry()
@@ -179,7 +178,7 @@ class P2PBackend:
                    backward: bool, route: Route) -> torch.Tensor:
         """x [m] (this rank's shard) -> y [P*m], every shard in rank order, the same on every
         rank; state (m1, m2 [m]) updated in place: sharded.compensated_all_gather over
-        DistTransport, bit for bit (route: routing.route_half's, staged)."""
+        DistTransport, bit for bit (route: routing.route's for the half, staged)."""
         plan, _, y = self.prepare(x, cfg, route, state=state, backward=backward,
                                   half="all_gather")
         plan.encode()
@@ -193,10 +192,9 @@ class P2PBackend:
         stages of the plan one by one) -> (CallPlan, workspace, y; residual + y with
         residual). half: 'reduce_scatter' (y [m] of x [P*m]) or 'all_gather' (y [P*m] of
         x [m]) on the kind's workspace pair, the call's workspace picked."""
-        self._flags.raise_if_set(self._err, self._err_np)
+        flags.raise_if_set(self._err, self._err_np)
         P = self.world_size
-        why = self._plan.supported(x, cfg, state, residual) if half is None else \
-            self._plan.supported_half(half, x, cfg, P, state)
+        why = fits(half or "all_reduce", x, cfg, world_size=P, state=state, residual=residual)
         fused = route.form == "fused"
         if why is None and half is not None and fused:
             why = "the halves run the stage kernels only (route form 'staged')"
@@ -205,16 +203,16 @@ class P2PBackend:
         ws = self._workspace(x, cfg, fused, route.tile, half)
         fs = None
         if backward and cfg.grad_scaling:
-            fs = grad_scale(self._plan.local_amax(x, state, cfg), self.transport)   # [1]
+            fs = grad_scale(allreduce_plan.local_amax(x, state, cfg), self.transport)   # [1]
         if half is not None:
             ws.advance()
         elif not fused:
             ws.epoch.add_(1)
-        plan = self._plan.CallPlan(rank=self.rank, lay=ws.lay, cfg=cfg, x=x, state=state, fs=fs,
-                                   epoch=ws.epochs if fused else ws.epoch, table=ws.table,
-                                   timeout=self._timeout_units(), use_timer=self.use_timer,
-                                   num_warps=route.num_warps, step_elems=route.step,
-                                   residual=residual, half=half)
+        plan = allreduce_plan.CallPlan(
+            rank=self.rank, lay=ws.lay, cfg=cfg, x=x, state=state, fs=fs,
+            epoch=ws.epochs if fused else ws.epoch, table=ws.table,
+            timeout=self._timeout_units(), use_timer=self.use_timer,
+            num_warps=route.num_warps, step_elems=route.step, residual=residual, half=half)
         if half is None:
             return plan, ws, torch.empty_like(x)
         n = x.numel()
@@ -227,7 +225,7 @@ class P2PBackend:
     def check_error(self) -> None:
         """Synchronize the device and raise if any wait of this backend timed out."""
         torch.cuda.synchronize(self.device)
-        self._flags.raise_if_set(self._err, self._err_np)
+        flags.raise_if_set(self._err, self._err_np)
 
     # ----- helpers -----
     def _workspace(self, x: torch.Tensor, cfg: EchoConfig, fused: bool, tile: int,
@@ -239,7 +237,7 @@ class P2PBackend:
         call_key = (half, numel, x.dtype, spec, fused, tile)
         ws = self._ws_by_call.get(call_key)
         if ws is None:
-            lay = self._plan.Layout.build(numel, self.world_size, spec, tile)
+            lay = allreduce_plan.Layout.build(numel, self.world_size, spec, tile)
             key = (half, x.dtype, spec, lay.seg, fused, tile)   # calls of one layout share it
             ws = self._ws.get(key)
             if ws is None:
@@ -254,7 +252,7 @@ class P2PBackend:
         """ECHO_FLAG_TIMEOUT_S in the kernels' units, read once per timer mode."""
         units = self._timeouts.get(self.use_timer)
         if units is None:
-            units = self._timeouts[self.use_timer] = self._flags.timeout_units(
+            units = self._timeouts[self.use_timer] = flags.timeout_units(
                 envs.flag_timeout_s(), self.use_timer)
         return units
 
@@ -267,5 +265,5 @@ class P2PBackend:
             log.warning("echo-tp p2p: %%globaltimer wait failed to build (%s); counting polls",
                         e)
             self.use_timer = plan.use_timer = False
-            plan.timeout = self._flags.timeout_units(envs.flag_timeout_s(), False)
+            plan.timeout = flags.timeout_units(envs.flag_timeout_s(), False)
             launch()

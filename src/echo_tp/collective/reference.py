@@ -5,8 +5,8 @@ reference backend every faster one is compared with.
 
 A collective that fails while waiting on a peer (the group's timeout ran out, a peer died)
 raises PeerWaitError naming this rank and the stage of the call it was in; groups echo-tp
-builds wait ECHO_COLLECTIVE_TIMEOUT_S, a user's group its own timeout (README;
-`group_wait_s` reads it where torch exposes it).
+builds wait ECHO_COLLECTIVE_TIMEOUT_S, a user's group its own timeout
+(docs/usage/defined-answers.md; `group_wait_s` reads it where torch exposes it).
 
 With a CallLengths (the communicator's), quantized CPU calls carry their length in-band: packet
 rows padded to a width class with the call's numel in a header, checked on every rank after each

@@ -1,10 +1,10 @@
-"""Which backend and which kernel run one call, and why: one pure function per kind.
+"""Which backend and which kernel run one call, and why: one pure function.
 
-    route(call, mode, available, tables) -> Route                  the all-reduce
-    route_half(kind, call, mode, available, tables) -> Route       reduce-scatter, all-gather
+    route(call, mode, available, tables) -> Route     the all-reduce, reduce-scatter, all-gather
 
-`call` says what matters of the call (bytes per rank, bits, compensator state bytes, P, whether
-the p2p kernels can take the tensor at all, CUDA graph capture), `available` which fast
+`call` says what matters of the call (its kind, bytes per rank, bits, compensator state bytes,
+P, whether the kernels can take the tensor at all: kernels/fits.py, CUDA graph capture),
+`available` which fast
 backends this group has (or why not), `tables` the measurements (collective/tuning.py). Under
 mode 'auto' on an intra-node GPU group, in this order:
 
@@ -15,10 +15,10 @@ mode 'auto' on an intra-node GPU group, in this order:
     reference  everything else (CPU tensors, groups without the fast path): the quantized
                algorithm over torch.distributed
 
-Reduce-scatter and all-gather calls (route_half; sequence parallelism) follow the same rules
+Reduce-scatter and all-gather calls (Call.kind; sequence parallelism) follow the same rules
 for the P*m values they move: under 'auto' p2p from the all-reduce's crossover where the stage
 kernels take them (quantized GPU calls whose chunks are whole quantization groups:
-kernels/allreduce_plan.supported_half), staged; 'plain' (NCCL's reduce-scatter / all-gather in
+kernels/fits.fits), staged; 'plain' (NCCL's reduce-scatter / all-gather in
 the input dtype) below it and where the kernels cannot; under 'p2p' p2p wherever the kernels
 take them; everything else to the reference (at bits=16 the transport's plain reduce-scatter /
 all-gather, NCCL's on GPUs).
@@ -30,10 +30,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import torch
-
 from ..config import EchoConfig
+from ..kernels.fits import HALVES, KINDS, config_unfit
 from . import tuning
+
+__all__ = ["Call", "Route", "route", "p2p_route", "tile_shape", "state_bytes", "BACKENDS", "MODES",
+           "KINDS", "HALVES"]
 
 BACKENDS = ("oneshot", "p2p", "plain", "reference")
 MODES = ("auto", "p2p", "reference")
@@ -53,14 +55,16 @@ class Call:
     tensor_unfit: str | None  # why no fast kernel can take x (device, dtype, layout); None: fits
     config_unfit: str | None  # why the p2p kernels cannot run cfg (bits, state dtype)
     capturing: bool = False   # inside CUDA graph capture
+    kind: str = "all_reduce"  # one of KINDS; the halves' x: [P*m] (reduce-scatter), [m]
 
     @classmethod
     def of(cls, numel: int, itemsize: int, cfg: EchoConfig, world_size: int, *,
-           on_gpu: bool, tensor_unfit: str | None = None, capturing: bool = False) -> "Call":
+           on_gpu: bool, tensor_unfit: str | None = None, capturing: bool = False,
+           kind: str = "all_reduce") -> "Call":
         return cls(nbytes=numel * itemsize, numel=numel, bits=cfg.bits,
                    state_bytes=state_bytes(cfg), group_size=cfg.group_size,
                    world_size=world_size, on_gpu=on_gpu, tensor_unfit=tensor_unfit,
-                   config_unfit=config_unfit(cfg), capturing=capturing)
+                   config_unfit=config_unfit(cfg), capturing=capturing, kind=kind)
 
     @property
     def compensated(self) -> bool:
@@ -78,33 +82,6 @@ class Route:
     num_warps: int = 0
 
 
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-"""Input dtypes the fast kernels (p2p, one-shot) take."""
-
-STATE_DTYPES = ("float32", "bfloat16")
-"""Compensator state dtypes the p2p kernels read and write."""
-
-
-def tensor_unfit(x: torch.Tensor, device: torch.device) -> str | None:
-    """Why no fast kernel can take x on a group whose GPU is `device` (None: they can)."""
-    if x.device != device:
-        return f"x is on {x.device}, the group's GPU is {device}"
-    if x.dtype not in DTYPES:
-        return f"dtype {x.dtype}"
-    if x.dim() != 1 or not x.is_contiguous():
-        return "x is not a contiguous 1-D tensor"
-    return None
-
-
-def config_unfit(cfg: EchoConfig) -> str | None:
-    """Why the p2p kernels cannot run a call of cfg (None: they can)."""
-    if cfg.bits not in (4, 8):
-        return f"bits={cfg.bits} is the plain all-reduce"
-    if cfg.compensated and cfg.state_dtype not in STATE_DTYPES:
-        return f"state_dtype {cfg.state_dtype!r} (the kernels keep fp32 or bf16 state)"
-    return None
-
-
 def state_bytes(cfg: EchoConfig) -> int:
     """Compensator state bytes a call reads and writes per value: 0 when uncompensated, else
     2 (read + write) x (1 tensor if beta1 == beta2 else 2) x (2 bf16, 4 fp32, 8 fp64)."""
@@ -116,10 +93,15 @@ def state_bytes(cfg: EchoConfig) -> int:
 
 def route(call: Call, mode: str = "auto", available: dict[str, str | None] | None = None,
           tables: tuning.Tables = tuning.DEFAULT) -> Route:
-    """The backend and kernel plan of `call`. available: 'oneshot' / 'p2p' -> None when this
-    group has it, else why not (missing: not built)."""
+    """The backend and kernel plan of `call` (an all-reduce, or a half: `_route_half`).
+    available: 'oneshot' / 'p2p' -> None when this group has it, else why not (missing: not
+    built)."""
+    if call.kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {call.kind!r}")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if call.kind != "all_reduce":
+        return _route_half(call, mode, available, tables)
     available = available or {}
     p2p_why = available.get("p2p", "not built")
     if mode == "reference":
@@ -151,17 +133,13 @@ def route(call: Call, mode: str = "auto", available: dict[str, str | None] | Non
     return p2p_route(call, tables, f">= the p2p crossover {_mib(gate)} ({src})")
 
 
-HALVES = ("reduce_scatter", "all_gather")
-
-
-def route_half(kind: str, call: Call, mode: str = "auto",
-               available: dict[str, str | None] | None = None,
-               tables: tuning.Tables = tuning.DEFAULT) -> Route:
+def _route_half(call: Call, mode: str, available: dict[str, str | None] | None,
+                tables: tuning.Tables) -> Route:
     """The backend and kernel plan of a reduce-scatter or all-gather call (sequence
     parallelism). call: the Call of the input x (P*m values for the reduce-scatter, the own
     m-value shard for the all-gather), its tensor_unfit also saying why the kernels cannot
-    take this half (kernels/allreduce_plan.supported_half: a chunk that is not a whole number
-    of quantization groups, ...). available, tables: as route's.
+    take this half (kernels/fits.fits: a chunk that is not a whole number of quantization
+    groups, ...). available, tables: as route's.
 
     Mode 'p2p': p2p (P2PBackend.reduce_scatter / all_gather) for every quantized GPU call the
     kernels take. Mode 'auto', as the all-reduce's route on a group with the p2p backend: p2p
@@ -176,10 +154,7 @@ def route_half(kind: str, call: Call, mode: str = "auto",
     calls the kernels cannot take) the reference algorithm (collective/sharded.py) over the
     group's transport, with the reason; at bits=16 that is the transport's plain
     reduce-scatter / all-gather (NCCL's on GPUs)."""
-    if kind not in HALVES:
-        raise ValueError(f"kind must be one of {HALVES}, got {kind!r}")
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    kind = call.kind
     name = kind.replace("_", "-")
     p2p_why = (available or {}).get("p2p", "not built")
     if mode == "reference":

@@ -39,26 +39,31 @@ configs differently (studies/kl_probe.py, docs/results/2026-12-01-fidelity-testb
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import json
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from echo_tp.config import EchoConfig
 from echo_tp.models import (ModelConfig, build_meta_model, build_tokenizer, init_weights,
                             load_hf_checkpoint, load_tokens, resolve_model_config)
 from echo_tp.models.checkpoint import check_shards
+from echo_tp.models.rotate import rotate_hidden
 from echo_tp.models.tokenize import (DEFAULT_EOS, check_token_file, resolve_tokenizer_dir,
                                      separator_id, token_file_info)
+from echo_tp.options import cli
 from echo_tp.paths import check_file_target, writing
 from echo_tp.tp import parallelize, parse_comm_specs, set_comm
-from echo_tp.tp.policy import (average_wire_bits, edge_width, gather_width, make_policy,
-                               telemetry_budget, telemetry_policy, wire_bits_per_value)
+from echo_tp.tp.policy import (average_wire_bits, calibration_plan, site_width, telemetry_budget,
+                               telemetry_policy, wire_bits_per_value)
 from echo_tp.tp.runtime import check_group_args, launch, make_comm, rank_device
 
 from .lastword import target_spans, token_classes, word_hits
@@ -67,44 +72,75 @@ from .stats import gap_closed_table, mean_per_token, paired_difference
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+IMPLS = ("auto", "echo", "transformers")
+
+
 @dataclass(frozen=True, kw_only=True)
 class EvalOptions:
+    """The options of `echo-tp eval` and eval.main: each field is one command-line option
+    (echo_tp.options: `--field-name`, its docstring the help)."""
+
     model: str
-    """HF checkpoint directory, or a preset name (random init from `seed`)."""
+    """HF checkpoint directory, or a preset name or .json model config (random init from
+    --seed)."""
     data: str
     """A token file (.bin with its .json sidecar) or a UTF-8 text file (tokenized here)."""
-    comms: tuple[str, ...]
-    """Comm spec strings (tp.policy): '16', '8', '4', 'echo4', 'early8', 'echo4:eta=0.9', ..."""
+    comms: tuple[str, ...] = ("16", "8", "4", "echo4")
+    """Comm specs NAME[:KEY=VALUE,...] (tp.policy), e.g. 16 4 echo4 early8
+    'echo4:eta=0.9,quantizer=naive' (keys: bits g quantizer eta a beta1 beta2 residual
+    grad_scaling state_dtype policy edge_bits gather_bits)."""
     context: int = 1024
+    """Tokens per window."""
     stride: int | None = None
+    """Window stride (default: --context, non-overlapping windows)."""
     batch_size: int = 4
+    """Windows per forward."""
     max_windows: int | None = None
+    """Evaluate at most this many windows (from the start)."""
     seed: int = 0
-    dtype: str = "float32"
+    """Random init of a preset model."""
+    dtype: str = field(default="float32", metadata=cli(choices=DTYPES))
+    """Model dtype."""
     device: str | None = None
+    """Simulated runs: cpu/cuda (default cuda if any)."""
     tokenizer: str | None = None
+    """Tokenizer directory for text data (default: the model directory's tokenizer.json, else
+    GPT-2)."""
+    bos: bool = field(default=False, metadata=cli(implied_by="bos_id"))
+    """Prefix each window with BOS (not scored; the same targets are scored)."""
     bos_id: int | None = None
-    """Prefix every window with this BOS token (None: no BOS)."""
-    impl: str = "auto"
-    """HF directories: 'auto', 'echo' (the project's Transformer) or 'transformers'."""
+    """BOS token id (implies --bos; default: the token file's eos_id, or the tokenizer's
+    <|endoftext|>)."""
+    impl: str = field(default="auto", metadata=cli(flag="--model-impl", choices=IMPLS))
+    """HF directories: the project's Transformer ('echo', Llama/Qwen3 with plain RoPE) or
+    transformers' own model through echo_tp.hf.load_hf_tp ('transformers': any family with a
+    base_model_tp_plan); 'auto': echo where it reproduces the config, else transformers."""
     progress: bool = True
+    """Show a progress bar (--no-progress: none)."""
     last_word: bool = False
-    """Also score last-word accuracy (eval/lastword.py) on the same windows."""
+    """Also score last-word accuracy (LAMBADA-style: the greedy prediction of each sentence's
+    final word; eval/lastword.py) on the same windows."""
     calibration_data: str | None = None
-    """Token or text file of the calibration pass of telemetry policies (default: `data`)."""
+    """Token or text file of the calibration pass of telemetry policies
+    (policy=telemetry@BITS; default: --data)."""
     calibration_windows: int = 8
     """Windows of that pass (from the start of the calibration data)."""
-    rotate: int | None = None
-    """Fold a hidden-size rotation of this seed into the weights first (models/rotate.py)."""
+    rotate: int | None = field(default=None, metadata=cli(metavar="SEED"))
+    """Fold a hidden-size rotation (Hadamard x random signs of this seed) into the weights
+    first (models/rotate.py)."""
     sequence_parallel: bool = False
     """The project's Transformer sequence-parallel (tp/sequence.py): a reduce-scatter and an
-    all-gather at each block boundary instead of the all-reduce."""
+    all-gather at each block boundary instead of the all-reduce (the all-gathers at the comm's
+    gather_bits: 8 unless the spec says, e.g. 'echo4:gather_bits=0' for the sites' own
+    width)."""
     kl: bool = False
     """Also the KL divergence of every config's next-token distributions from the 16-bit
     model's (a second copy of the model at 16 bits runs beside it: twice the forwards)."""
+    out: str | None = None
+    """JSON results file (with per-window NLLs)."""
 
-
-IMPLS = ("auto", "echo", "transformers")
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "comms", tuple(self.comms))
 
 
 def model_impl(spec: str, impl: str = "auto") -> str:
@@ -264,7 +300,7 @@ def _rank_eval(rank: int | None, world_size: int, opts: EvalOptions) -> list[dic
         from echo_tp.hf.plan import text_config
         first = make_comm(rank, world_size, specs[0].config)
         model = load_hf_tp(opts.model, first, rank, dtype=DTYPES[opts.dtype], device=device,
-                           policy=specs[0].policy)
+                           policy=specs[0].widths)
         vocab_size = text_config(model).vocab_size
         forward = lambda x: model(x, use_cache=False).logits  # noqa: E731 - [B, T, V]
     else:
@@ -272,7 +308,6 @@ def _rank_eval(rank: int | None, world_size: int, opts: EvalOptions) -> list[dic
                                 device=device)
         vocab_size, forward = cfg.vocab_size, model
         if opts.rotate is not None:
-            from echo_tp.models.rotate import rotate_hidden
             rotate_hidden(model, opts.rotate)
     reference = _reference_model(opts, rank, world_size, device, hf) if opts.kl else None
     tokens = load_eval_tokens(opts.data, model_spec=opts.model, tokenizer=opts.tokenizer)
@@ -287,23 +322,23 @@ def _rank_eval(rank: int | None, world_size: int, opts: EvalOptions) -> list[dic
     main = rank in (None, 0)
     bar = None
     if opts.progress and main:
-        from tqdm import tqdm
         bar = tqdm(total=len(windows) * len(specs), desc="eval", unit="win")
     results, scores = [], []
     for i, spec in enumerate(specs):
-        policy, extra = spec.policy, {}
-        if telemetry_budget(policy) is not None:
-            policy, extra = _calibrate(forward, model, rank, world_size, spec, calib, opts,
-                                       device, first_use=i == 0 and not hf)
+        widths, extra = spec.widths, {}
+        if telemetry_budget(widths.policy) is not None:
+            table, extra = _calibrate(forward, model, rank, world_size, spec, calib, opts,
+                                      device, first_use=i == 0 and not hf)
+            widths = widths.replace(policy=table)
         if i == 0 and hf:
             comm = first  # load_hf_tp parallelized with it
         else:
             comm = make_comm(rank, world_size, spec.config)
         if i == 0 and not hf and not extra:
-            parallelize(model, comm, rank, policy=policy,
+            parallelize(model, comm, rank, policy=widths,
                         sequence_parallel=opts.sequence_parallel)
         elif i > 0 or extra:
-            set_comm(model, comm, policy=policy)
+            set_comm(model, comm, policy=widths)
         if bar is not None:
             bar.set_postfix_str(spec.label)
         t0 = time.perf_counter()
@@ -332,7 +367,6 @@ def _reference_model(opts: EvalOptions, rank, world_size: int, device, hf: bool)
         return lambda x: ref(x, use_cache=False).logits  # noqa: E731 - [B, T, V]
     ref, _ = load_model(opts.model, seed=opts.seed, dtype=DTYPES[opts.dtype], device=device)
     if opts.rotate is not None:
-        from echo_tp.models.rotate import rotate_hidden
         rotate_hidden(ref, opts.rotate)
     parallelize(ref, comm, rank, sequence_parallel=opts.sequence_parallel)
     return ref
@@ -340,7 +374,7 @@ def _reference_model(opts: EvalOptions, rank, world_size: int, device, hf: bool)
 
 def _calibration_windows(opts: EvalOptions, specs, vocab_size: int):
     """(tokens, windows) of the calibration pass of telemetry policies (None if none asks)."""
-    if not any(telemetry_budget(s.policy) is not None for s in specs):
+    if not any(telemetry_budget(s.widths.policy) is not None for s in specs):
         return None
     data = opts.calibration_data or opts.data
     tokens = load_eval_tokens(data, model_spec=opts.model, tokenizer=opts.tokenizer)
@@ -351,14 +385,15 @@ def _calibration_windows(opts: EvalOptions, specs, vocab_size: int):
 
 
 def _calibrate(forward, model, rank, world_size, spec, calib, opts, device, *, first_use):
-    """One telemetry pass at the spec's own width at every site (no edge rule) -> (its
-    {site: bits} table, row fields)."""
-    score, budget = telemetry_budget(spec.policy)
-    comm = make_comm(rank, world_size, spec.config.replace(edge_bits=0), telemetry=True)
+    """One telemetry pass at the spec's own width at every site (policy.calibration_plan) ->
+    (its {site: bits} table, row fields)."""
+    score, budget = telemetry_budget(spec.widths.policy)
+    comm = make_comm(rank, world_size, spec.config, telemetry=True)
+    widths = calibration_plan(spec.widths)
     if first_use:
-        parallelize(model, comm, rank, sequence_parallel=opts.sequence_parallel)
+        parallelize(model, comm, rank, policy=widths, sequence_parallel=opts.sequence_parallel)
     else:
-        set_comm(model, comm)
+        set_comm(model, comm, policy=widths)
     tokens, windows = calib
     window_scores(forward, tokens, windows, batch_size=opts.batch_size, device=device,
                   context=opts.context, bos_id=opts.bos_id)
@@ -416,12 +451,12 @@ def _add_statistics(results, scores, tokens, windows, opts: EvalOptions, n_layer
 
 def _policy_wire_bits(spec, n_layers: int, sequence_parallel: bool = False) -> float:
     """Average wire bits per value of a preset policy (every site the same size); sequence-
-    parallel: each site's reduce-scatter and all-gather (gather_width) move the same values."""
-    fn = make_policy(spec.policy, n_layers)
-    widths = [edge_width(spec.config, fn(s), s, n_layers) for s in range(2 * n_layers)]
-    bits = [wire_bits_per_value(spec.config, b) for b in widths]
-    if sequence_parallel:
-        bits += [wire_bits_per_value(spec.config, gather_width(spec.config, b)) for b in widths]
+    parallel: each site's reduce-scatter and all-gather move the same values."""
+    plan = spec.widths.resolved(n_layers)
+    kinds = ("reduce", "gather") if sequence_parallel else ("reduce",)
+    bits = [wire_bits_per_value(spec.config, site_width(plan, s, bits=spec.config.bits,
+                                                        n_layers=n_layers, kind=kind))
+            for kind in kinds for s in range(2 * n_layers)]
     return sum(bits) / len(bits)
 
 
@@ -475,35 +510,32 @@ def format_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(*, model: str, data: str, comms: list[str], context: int = 1024,
-         stride: int | None = None, batch_size: int = 4, max_windows: int | None = None,
-         simulate: int | None = None, world_size: int | None = None, seed: int = 0,
-         dtype: str = "float32", device: str | None = None, tokenizer: str | None = None,
-         out: str | None = None, progress: bool = True, impl: str = "auto", bos: bool = False,
-         bos_id: int | None = None, last_word: bool = False,
-         calibration_data: str | None = None, calibration_windows: int = 8,
-         rotate: int | None = None, sequence_parallel: bool = False,
-         kl: bool = False) -> list[dict]:
-    """Perplexity of `model` on `data` under every comm config; prints a table (rank 0), writes
-    JSON to `out` when given, returns the result rows (rank 0's; every rank computes the same).
-    bos=True: BOS-started windows (bos_id, default: see the module doc)."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+def main(*, simulate: int | None = None, world_size: int | None = None, **options
+         ) -> list[dict]:
+    """Perplexity of `model` on `data` under every comm config (options: EvalOptions'
+    fields); prints a table (rank 0), writes JSON to `out` when given, returns the result rows
+    (rank 0's; every rank computes the same). bos=True: BOS-started windows (bos_id, default:
+    see the module doc). The TP group: tp.runtime.Group."""
+    opts = EvalOptions(**options)
+    model, data, comms, bos, bos_id = opts.model, opts.data, opts.comms, opts.bos, opts.bos_id
+    out, tokenizer, calibration_data = opts.out, opts.tokenizer, opts.calibration_data
+    if opts.batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {opts.batch_size}")
     check_group_args(simulate=simulate, world_size=world_size)
     parse_comm_specs(list(comms))  # fail fast, before any process starts
     if out:
         check_file_target(out, "--out")
-    which = model_impl(model, impl)
+    which = model_impl(model, opts.impl)
     if bos_id is not None and not bos:
         raise ValueError("bos_id needs bos=True")
-    if sequence_parallel and which != "echo":
+    if opts.sequence_parallel and which != "echo":
         raise ValueError("sequence_parallel: eval runs the project's own Transformer "
                          "sequence-parallel (model impl 'echo')")
-    if rotate is not None and which != "echo":
+    if opts.rotate is not None and which != "echo":
         raise ValueError("rotate: the hidden-size rotation is folded into the project's own "
                          "Transformer only (model impl 'echo')")
-    if calibration_windows < 1:
-        raise ValueError(f"calibration_windows must be >= 1, got {calibration_windows}")
+    if opts.calibration_windows < 1:
+        raise ValueError(f"calibration_windows must be >= 1, got {opts.calibration_windows}")
     if Path(model).is_dir():
         check_shards(model)            # every shard opens: a truncated one is named here
     check_data(data, "--data")
@@ -513,30 +545,25 @@ def main(*, model: str, data: str, comms: list[str], context: int = 1024,
         resolve_tokenizer_dir(tokenizer)
     if bos and bos_id is None:
         bos_id = data_bos_id(data, model_spec=model, tokenizer=tokenizer)
-    opts = EvalOptions(model=model, data=data, comms=tuple(comms), context=context,
-                       stride=stride, batch_size=batch_size, max_windows=max_windows, seed=seed,
-                       dtype=dtype, device=device, tokenizer=tokenizer, impl=which,
-                       bos_id=bos_id, progress=progress, last_word=last_word,
-                       calibration_data=calibration_data,
-                       calibration_windows=calibration_windows, rotate=rotate,
-                       sequence_parallel=sequence_parallel, kl=kl)
-    if last_word:
+    opts = dataclasses.replace(opts, impl=which, bos_id=bos_id)
+    if opts.last_word:
         _data_tokenizer(opts)   # fail before the evaluation if no tokenizer can be named
     run = launch(_rank_eval, opts, simulate=simulate, world_size=world_size)
     results = run.result
     if run.is_main:
         P = simulate or world_size or _world()
         mode = "simulated" if simulate else "real"
+        context, stride = opts.context, opts.stride or opts.context
         print(f"model {model} ({which}) | data {data} | TP={P} ({mode}) | context {context}, "
-              f"stride {stride or context}{f', after BOS {bos_id}' if bos else ''} | "
+              f"stride {stride}{f', after BOS {bos_id}' if bos else ''} | "
               f"{results[0]['windows']} windows, "
               f"{results[0]['tokens']} scored tokens")
         print(format_table(results))
         if out:
             record = {"model": model, "impl": which, "data": data, "world_size": P, "mode": mode,
-                      "context": context, "stride": stride or context, "bos_id": bos_id,
-                      "dtype": dtype, "seed": seed, "rotate": rotate,
-                      "sequence_parallel": sequence_parallel, "results": results}
+                      "context": context, "stride": stride, "bos_id": bos_id,
+                      "dtype": opts.dtype, "seed": opts.seed, "rotate": opts.rotate,
+                      "sequence_parallel": opts.sequence_parallel, "results": results}
             with writing(out):
                 Path(out).parent.mkdir(parents=True, exist_ok=True)
                 Path(out).write_text(json.dumps(record, indent=2) + "\n")
@@ -565,5 +592,4 @@ def check_data(data: str, what: str) -> None:
 
 
 def _world() -> int:
-    import torch.distributed as dist
     return dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])

@@ -12,8 +12,8 @@ stay tied. Non-persistent buffers (RoPE inv_freq, Gemma's embed scale) are recom
 model's own `_init_weights`, which skips every loaded parameter (`_is_hf_initialized`).
 
 Peak memory per real rank: its shards plus the replicated embedding, norms and lm_head, instead
-of the whole model that from_pretrained would materialize before sharding (measured with
-benchmarks/hf_load_memory.py: 0.40x from_pretrained's peak per rank of P=4; reads go through
+of the whole model that from_pretrained would materialize before sharding (benchmarks/
+hf_load_memory.py measures both: docs/results/2026-12-01-hf-load-memory.md; reads go through
 safetensors' pread backend, see _open). Checkpoints whose keys
 are the model's parameter names load (what transformers' save_pretrained writes for the dense
 families); a key the model needs but the files lack is a ValueError (for checkpoints stored in an
@@ -88,9 +88,8 @@ def _open(f: Path):
     Why not the default mmap: a column slice (o_proj / down_proj keep a range of input
     features: every row's [a, b)) touches every page of the whole tensor through the mapping,
     and the kernel maps neighbouring pages too, so each rank's resident memory held most of
-    every row-parallel weight (docs/results/2026-12-01-hf-load-memory.md, a 168 MiB checkpoint
-    at P=4: 138-143 MiB peak per rank with mmap, 68 MiB with pread, for 60 MiB of parameters;
-    from_pretrained 169 MiB). pread copies only the requested bytes into the rank's tensor."""
+    every row-parallel weight (docs/results/2026-12-01-hf-load-memory.md has both peaks).
+    pread copies only the requested bytes into the rank's tensor."""
     with shard_errors(f):
         try:
             return safe_open(str(f), framework="pt", device="cpu", backend="pread")

@@ -32,7 +32,7 @@ y and the compensator state are bit-identical). Per rank r, with P ranks, segmen
 Every rank owns one byte buffer (`Layout`), symmetric across ranks; `table` [P+1] int64 holds the
 P buffers' addresses as seen from this rank, then the address of its error record. The same
 kernels run on P GPUs (collective/p2p.py, buffers in symmetric memory) and on P simulated ranks
-in one process (kernels/simulated_fused.py, the CPU test under TRITON_INTERPRET=1): stages
+in one process (collective/simulated_fused.py, the CPU test under TRITON_INTERPRET=1): stages
 launched in order entry(all ranks), reduce(all), tail(all) find every flag already set.
 Host side (buffer layout, the per-call launch plan): kernels/allreduce_plan.py.
 """

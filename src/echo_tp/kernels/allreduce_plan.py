@@ -7,7 +7,8 @@ kernels/launcher.py. Which of them a call runs, with which tile: collective/rout
 
 The halves (sequence parallelism; collective/sharded.py is their reference) run the same
 kernels on the layout of the all-reduce of P*m values, whose segments are the m-value chunks
-when the group size g divides m (`supported_half`):
+when the group size g divides m (kernels/fits.py: `fits`, which says which calls the kernels
+take):
 
     reduce-scatter  x [P*m] -> y [m]     entry(), then reduce(y)    (the reduce: HALF=1)
     all-gather      x [m]   -> y [P*m]   encode(), then tail(y)     (encode: the reduce's
@@ -31,9 +32,6 @@ from .allreduce_kernels import (amax_kernel, entry_kernel, fused_kernel, reduce_
 from .flags import next_call_kernel
 from .launcher import launch
 from .quant_kernels import DTYPE_KIND, LAUNCH_OPTS, spec_constexprs, values_per_thread
-
-STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-"""Compensator state dtypes the kernels read and write (EchoConfig.state_dtype)."""
 
 HALF_CODES = {None: 0, "reduce_scatter": 1, "all_gather": 2}
 """CallPlan.half -> the reduce kernel's HALF constexpr."""
@@ -312,48 +310,3 @@ def local_amax(x: torch.Tensor, state: CompState | None, cfg: EchoConfig,
                                 X_KIND=DTYPE_KIND[x.dtype], COMP=_comp(state), BLOCK=block,
                                 **LAUNCH_OPTS)
     return out
-
-
-def supported(x: torch.Tensor, cfg: EchoConfig, state: CompState | None = None,
-              residual: torch.Tensor | None = None) -> str | None:
-    """Why the fused kernels cannot run this call (None when they can)."""
-    if not cfg.quantized:
-        return "bits=16 is the plain all-reduce"
-    if x.dtype not in DTYPE_KIND:
-        return f"dtype {x.dtype} is not bf16/fp16/fp32"
-    if cfg.state_dtype not in STATE_DTYPES or (
-            state is not None and state.m1.dtype != STATE_DTYPES[cfg.state_dtype]):
-        return "compensator state must be fp32 or bf16, as the config says"
-    if x.dim() != 1 or not x.is_contiguous():
-        return "input must be a contiguous 1-D tensor"
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
-                                 or not residual.is_contiguous()
-                                 or residual.device != x.device):
-        return "residual must be a contiguous tensor of x's shape, dtype and device"
-    return None
-
-
-def supported_half(kind: str, x: torch.Tensor, cfg: EchoConfig, world_size: int,
-                   state: CompState | None = None) -> str | None:
-    """Why the kernels cannot run this reduce-scatter (x [P*m]) or all-gather (x [m]) of one
-    rank (None when they can). The kernels run the layout of the all-reduce of P*m values,
-    whose segment is ceil(P*m/(P*g))*g; the reference pads each m-value chunk to
-    ceil(m/g)*g on its own. The two agree only when g divides m, so only then the kernels."""
-    if kind not in ("reduce_scatter", "all_gather"):
-        raise ValueError(f"kind must be 'reduce_scatter' or 'all_gather', got {kind!r}")
-    why = supported(x, cfg, state)
-    if why is not None:
-        return why
-    if state is not None and (state.m1.shape != x.shape or state.m2.shape != x.shape):
-        return "the compensator state must have x's shape"
-    n = x.numel()
-    if kind == "reduce_scatter" and n % world_size:
-        return f"{n} values do not split into {world_size} equal chunks"
-    m = n // world_size if kind == "reduce_scatter" else n
-    g = cfg.group_size
-    if m == 0:
-        return "an empty chunk"
-    if m % g:
-        return (f"a chunk of {m} values is not a whole number of {g}-value groups (the "
-                "kernels' segments would not be the reference's per-chunk padding)")
-    return None

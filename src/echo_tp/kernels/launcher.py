@@ -4,8 +4,8 @@
 
 On CUDA, the first launch of a specialization takes the JIT path; later ones go straight to the
 compiled kernel's own launcher, skipping triton's per-call argument binding and cache lookup
-(host time on every call of the collective: ~25 us per launch of these kernels measured on an
-H200 host). The cache key holds every value triton specializes on (non-tensor arguments and
+(host time on every call of the collective: docs/results/2026-11-29-p2p-x2.md and -r2.md
+measured it). The cache key holds every value triton specializes on (non-tensor arguments and
 constexprs exactly; tensors by dtype and 16-byte alignment), so a hit launches the binary
 triton itself would pick. Under TRITON_INTERPRET (no compiled kernel), while triton launch
 hooks are installed (profilers), or with `FAST` set False (tests), every launch takes the JIT

@@ -1,4 +1,4 @@
-"""Residual add + RMSNorm in one pass per row (Triton); the reference is echo_tp/norm.py.
+"""Residual add + RMSNorm in one pass per row (Triton); the reference is echo_tp/norm_reference.py.
 
     rmsnorm_kernel (grid rows), ADD: r = cast(y + residual) -> residual_out; else r = y (the
     add already done: the p2p all-reduce wrote residual + y); acc[l] += v^2 over chunks of
@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..norm import LANES
+from ..norm_reference import LANES
 from .flags import gated
 from .launcher import launch
 from .quant_kernels import DTYPE_KIND, _cast_out, _load_f32

@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..norm import LANES, MAX_HIDDEN
+from ..norm_reference import LANES, MAX_HIDDEN, add_rmsnorm_reference
 from .allreduce_kernels import _buffer
 from .launcher import launch
 from .flags import gated, signal, wait_geq
@@ -312,5 +312,4 @@ def oneshot_add_rmsnorm_reference(xs: list[torch.Tensor], residual: torch.Tensor
                                   weight: torch.Tensor, eps: float):
     """The pure-torch form of the decode boundary: (normed, residual_out) of
     norm.add_rmsnorm_reference(oneshot_reference(xs), residual, weight, eps)."""
-    from ..norm import add_rmsnorm_reference
     return add_rmsnorm_reference(oneshot_reference(xs), residual, weight, eps)

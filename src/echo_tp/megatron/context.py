@@ -3,7 +3,7 @@ the model's forward is running (the guard against activation recomputation).
 
 A site is `echo_tp.tp.sites.Site(ctx, index, dim=0)`: Megatron's activations are [s, b, h], so
 the sequence dim the SP halves split is 0. Its width is `ctx.bits(index)`, the TP engine's own
-rule (tp.policy.make_policy, then tp.policy.edge_width at the first and last site).
+rule (tp.policy.site_width of ctx.widths).
 """
 from __future__ import annotations
 

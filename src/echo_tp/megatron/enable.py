@@ -4,7 +4,7 @@ Echo spec (echo_tp.megatron.spec), with the sites and passes of echo-tp's own TP
     model = GPTModel(config, echo_block_spec(config), vocab_size=V, max_sequence_length=T)
     enable_echo(model, EchoCommunicator.from_group(tp_group, EchoConfig.from_name("echo4")))
 
-Sites (static index -> width ctx.bits(index), the TP engine's policy and edge rule):
+Sites (static index -> width ctx.bits(index): tp.policy.site_width, the TP engine's rule):
     decoder layer l (layer_number l + 1): self_attention's linears site 2l, mlp's site 2l + 1
         forward:  linear_proj / linear_fc2 all-reduce (SP: reduce-scatter)
         backward: linear_qkv / linear_fc1 input-gradient all-reduce (SP: reduce-scatter; their
@@ -13,9 +13,9 @@ Sites (static index -> width ctx.bits(index), the TP engine's policy and edge ru
         scatter, whose backward all-gathers): site 0's width, the first collective of a pass
     the output layer's input-gradient all-reduce (SP: its input all-gather forward, gradient
         reduce-scatter backward): the last site's (2L - 1) width, the first of a backward pass
-So at the default edge_bits=8 the embedding, layer 0's attention, the last layer's MLP and the
-output layer run at 8 bits. The vocab-parallel cross entropy's all-reduces, the logits' gather
-(parallel_output=False) and every other collective stay megatron-core's.
+So under the default WidthPlan (edge_bits=8) the embedding, layer 0's attention, the last
+layer's MLP and the output layer run at 8 bits. The vocab-parallel cross entropy's all-reduces,
+the logits' gather (parallel_output=False) and every other collective stay megatron-core's.
 
 Passes: every forward of the model starts a forward pass (comm.new_pass('forward'): fresh
 compensator state); its output goes through tp.sites.BackwardPassStart, whose backward, the
@@ -43,7 +43,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 from echo_tp.tp.plan import SITES_PER_LAYER
-from echo_tp.tp.policy import make_policy
+from echo_tp.tp.policy import WidthPlan
 from echo_tp.tp.sites import BackwardPassStart, Site
 
 from . import patches
@@ -134,8 +134,8 @@ def _check_comm(comm, tp_group) -> None:
 def enable_echo(model, comm, *, policy=None) -> MegatronContext:
     """Route every TP activation collective of `model` (a GPTModel built from an Echo spec, or
     a wrapper of one) through `comm` (an EchoCommunicator over the model's TP group), each
-    site at the width of `policy` (tp.policy.make_policy: None = the config's, a preset, a
-    table, ...) after the config's edge rule. Enabling again replaces the earlier comm."""
+    site at its width (tp.policy.site_width; policy: a WidthPlan, or its per-site policy
+    alone as tp.parallelize takes it). Enabling again replaces the earlier comm."""
     gpt = unwrap(model)
     config = gpt.config
     check_config(config)
@@ -154,8 +154,8 @@ def enable_echo(model, comm, *, policy=None) -> MegatronContext:
     _check_comm(comm, tp_group)
     n_layers = config.num_layers
     P = comm.world_size
-    ctx = MegatronContext(comm=comm, policy=make_policy(policy, n_layers), world_size=P,
-                          n_layers=n_layers, rank=dist.get_rank(tp_group),
+    ctx = MegatronContext(comm=comm, widths=WidthPlan.of(policy).resolved(n_layers),
+                          world_size=P, n_layers=n_layers, rank=dist.get_rank(tp_group),
                           sequence_parallel=bool(config.sequence_parallel) and P > 1,
                           model_name=type(gpt).__name__)
     state = EchoState(ctx=ctx)

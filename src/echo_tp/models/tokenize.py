@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, \
-    pre_tokenizers, processors
+from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, normalizers,
+                        pre_tokenizers, processors, trainers)
 
 from echo_tp.paths import check_file_target, writing
 
@@ -133,7 +133,6 @@ def build_tokenizer(tokenizer_dir: str | Path | None = None) -> Tokenizer:
 def train_tokenizer(inputs: list[str | Path], vocab_size: int, out_dir: str | Path) -> Path:
     """Train a GPT-2-style byte-level BPE (`tokenizers`' trainer) on inputs (files or folders of
     *.txt) with <|endoftext|> as its only special token; saves out_dir/tokenizer.json."""
-    from tokenizers import trainers
     if vocab_size < 257 + 1:
         raise ValueError(f"vocab_size must exceed the 256 byte symbols + EOS, got {vocab_size}")
     files = _expand(list(inputs))

@@ -1,8 +1,8 @@
 """The simulated TP blocks' fast path: the P virtual ranks as a batch dim of every matmul.
 
 `SimTPBlock` (tp/parallelize.py) runs its P shards one after another: P times the launches, each
-a matmul of a 1/P share, all from the host (47.6k training tokens/s at TP=4 on one H200 for the
-86M testbed, docs/results/2026-12-01-edge-sites.md). With `parallelize(..., sim_path='batched')`
+a matmul of a 1/P share, all from the host (host-bound: the speeds of both paths are in
+docs/results/2026-12-02-train-speed.md). With `parallelize(..., sim_path='batched')`
 the project's own Attention and MLP (models/transformer.py) run each op of a shard ONCE, over a
 leading rank dim:
 
@@ -25,7 +25,7 @@ parallelism) run shard by shard: `unfit` says why, and SimTPBlock logs it once.
 Exactness: each rank's values come from the shard's own ops with a rank dim in front. On the CPU
 (fp32) the batched matmuls give the shard loop's bits (tests/test_tp_batched.py); on a GPU a
 batched GEMM may take another kernel and round differently, so there the fast path is the
-per-shard path within float tolerance, not bit for bit (README, "Simulated TP").
+per-shard path within float tolerance, not bit for bit (docs/usage/models.md).
 
 torch.compile: with TPContext.compile_blocks the two block functions run compiled, one graph each
 for every layer (weights come in as tensors, so no layer recompiles); the sites stay eager.

@@ -37,6 +37,7 @@ import logging
 import weakref
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -48,7 +49,7 @@ from .blocks import join_heads as _join_heads
 from .blocks import set_local_heads as _set_local_heads
 from .plan import (TP_PLAN, BlockInput, Colwise, PartialGradReplicate, Rowwise, SplitParams,
                    match_plan, replica_groups, site_index, unit_rows)
-from .policy import make_policy
+from .policy import WidthPlan
 from .sites import (AllGather, BackwardPassStart, CopyToTP, ReduceAddNorm, ReduceFromTP,
                     ReduceScatter, SimAllGather, SimCopy, SimExpand, SimReduce, Site, TPContext)
 
@@ -179,10 +180,13 @@ def parallelize(model: Transformer, comm, rank: int | None = None, *, policy=Non
                 pass_root: nn.Module | None = None, split_cache=None,
                 sequence_parallel: bool = False, sim_path: str = "shards") -> Transformer:
     """Shard `model` in place for `rank` of comm's group (or for all P virtual ranks when comm is
-    a SimulatedCommunicator) and route its TP sites through comm with bits=policy(site).
+    a SimulatedCommunicator) and route its TP sites through comm, each at its width
+    (tp.policy.site_width).
 
-    policy: None (the config's bits), a preset name ('uniform4', 'uniform8', '16', 'early8'),
-    a {site: bits} table, a per-site list or a callable (tp.policy.make_policy).
+    policy: a tp.policy.WidthPlan (the per-site policy, the edge and gather rules), or its
+    per-site policy alone under the default rules: None (the config's bits), a preset name
+    ('uniform4', 'uniform8', '16', 'early8', ...), a {site: bits} table, a per-site list or a
+    callable (tp.policy.make_policy).
     sequence_parallel: the residual stream between blocks sharded over the sequence, each
     all-reduce a reduce-scatter and an all-gather through comm (tp/sequence.py; the sequence
     length must be divisible by P; a group of one runs as without it).
@@ -207,11 +211,10 @@ def parallelize(model: Transformer, comm, rank: int | None = None, *, policy=Non
                          "rank runs its own shard: leave sim_path at 'shards'")
     if not simulated:
         if rank is None:
-            import torch.distributed as dist
             rank = dist.get_rank(comm.group)
         if not 0 <= rank < P:
             raise ValueError(f"rank {rank} is outside the TP group of {P}")
-    tp = TPContext(comm=comm, policy=make_policy(policy, n_layers), world_size=P,
+    tp = TPContext(comm=comm, widths=WidthPlan.of(policy).resolved(n_layers), world_size=P,
                    n_layers=n_layers, rank=None if simulated else rank, cfg=cfg,
                    sequence_parallel=bool(sequence_parallel) and P > 1, sim_path=sim_path)
     blocks = [(n, m, s) for n, m in model.named_modules()
@@ -303,14 +306,15 @@ def _norm_eps(norm: nn.Module) -> float:
 
 
 def set_comm(model: Transformer, comm, *, policy=None) -> None:
-    """Point a parallelized model at another communicator / bit policy (same group size)."""
+    """Point a parallelized model at another communicator / width plan (same group size;
+    policy as parallelize's)."""
     tp = _context(model)
     if comm.world_size != tp.world_size or bool(getattr(comm, "simulated", False)) != tp.simulated:
         raise ValueError(f"model was parallelized for {tp.world_size} "
                          f"{'virtual' if tp.simulated else 'real'} ranks; got a communicator of "
                          f"{comm.world_size} ({'simulated' if comm.simulated else 'real'})")
     tp.comm = comm
-    tp.policy = make_policy(policy, tp.n_layers)
+    tp.widths = WidthPlan.of(policy).resolved(tp.n_layers)
 
 
 def _context(model) -> TPContext:

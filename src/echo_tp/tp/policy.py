@@ -1,29 +1,45 @@
-"""Per-site bit policies and the compact comm-config spec strings of `echo-tp eval/train`.
+"""The TP engine's width rules: which bit width each site of a model runs at, and the compact
+comm-config spec strings of `echo-tp eval/train`.
 
-A policy maps a STATIC site index to a bit width (4, 8, 16) or None (the communicator config's
-own width; at a model's first and last site that is EchoConfig.edge_bits: `edge_width`). Site
-2l is layer l's attention block, 2l+1 its MLP block; the backward site of a block uses the same
-index, so layer l's bits apply in both directions (tp/sites.py).
+One decision, one function: `site_width(plan, site, bits=, n_layers=, kind=)` gives a static
+site's width from a frozen `WidthPlan` (three rules, in order) and the communicator config's own
+width `bits` (the only thing the collective's config contributes):
 
-Presets: 'config' (None everywhere), 'uniform4', 'uniform8', '16' (plain all-reduce), 'early8'
-(sites of the first n_layers // 2 layers at 8 bits, the rest at 4: SPEC §7); 'first8', 'last8',
-'ends8': the first site, the last, or both at 8 bits, None elsewhere (so under the default
-edge_bits the other end is at 8 bits too; with edge_bits=0 they widen only their own sites;
-why the ends matter: EchoConfig.edge_bits).
+    policy       site -> 4 / 8 / 16 / None (None: the config's width); `make_policy`
+    edge_bits    where the policy gives None at a model's first or last site (layer 0's
+                 attention, the last layer's MLP; both directions) of a quantized config:
+                 max(bits, edge_bits); 0 turns the rule off. 8 by default (why, and what it
+                 costs: docs/results/2026-12-01-edge-sites.md)
+    gather_bits  sequence parallelism's all-gathers (uncompensated, tp/sequence.py): the site's
+                 width, widened to gather_bits where that is wider; 0: the site's own. 8 by
+                 default (docs/results/2026-12-01-sp-testbed.md)
+
+A site at a wider width than a rule's keeps its own. Site 2l is layer l's attention block,
+2l+1 its MLP block; the backward site of a block uses the same index, so layer l's width
+applies in both directions (tp/sites.py).
+
+Policy presets: 'config' (None everywhere), 'uniform4', 'uniform8', '16' (plain all-reduce),
+'early8' (sites of the first n_layers // 2 layers at 8 bits, the rest at 4: SPEC §7); 'first8',
+'last8', 'ends8': the first site, the last, or both at 8 bits, None elsewhere (so under the
+default edge_bits the other end is at 8 bits too; with edge_bits=0 they widen only their own
+sites).
 
 Telemetry policies, 'telemetry@B' and 'telemetry-rel@B' (B: average wire bits per value, e.g.
 5.0): chosen from the collective's own error telemetry (echo_tp.telemetry) on a calibration
 pass at the config's width; the sites with the largest measured rounding error (absolute
 energy ||delta||^2, or relative to the site's output ||delta||^2 / ||y||^2 for '-rel') are
 widened to 8 bits, largest first, while the average wire bits per value stay <= B
-(`telemetry_policy`; `echo-tp eval` runs the calibration pass itself).
+(`telemetry_policy`; `echo-tp eval` runs the calibration pass itself, `calibration_plan`).
 
 Comm spec strings:  NAME[:KEY=VALUE[,KEY=VALUE...]]
     NAME   a preset of EchoConfig.from_name ('16', '8', '4', 'echo8', 'echo4', 'echo4-output',
-           'echo4-local', 'echo4bf'), or 'early8' (= echo4 with policy=early8)
-    KEY    bits, group_size (or g), quantizer, eta, a, beta1, beta2, residual, grad_scaling,
-           state_dtype, policy
+           'echo4-local', 'echo4-2ts', 'echo4bf'; its width rules: WidthPlan.from_name), or
+           'early8' (= echo4 with policy=early8)
+    KEY    an EchoConfig field (bits, group_size (or g), quantizer, eta, a, beta1, beta2,
+           residual, grad_scaling, state_dtype) or a WidthPlan rule (policy, edge_bits,
+           gather_bits)
     e.g.   'echo4:eta=0.9,quantizer=naive'   '4:g=256'   'early8:residual=local'
+           'echo4:edge_bits=0,gather_bits=4'
 """
 from __future__ import annotations
 
@@ -31,14 +47,104 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from echo_tp.config import EchoConfig
+from echo_tp.config import EchoConfig, check_bits
 
 from .plan import SITES_PER_LAYER
 
 BitPolicy = Callable[[int], "int | None"]
 POLICIES = ("config", "uniform4", "uniform8", "16", "early8", "first8", "last8", "ends8")
+SITE_KINDS = ("reduce", "gather")
+"""What a site's collective does: 'reduce' (the all-reduce, or SP's reduce-scatter: the
+compensated sum) or 'gather' (SP's all-gather: uncompensated)."""
 _KEY_ALIASES = {"g": "group_size"}
 _FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(EchoConfig)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class WidthPlan:
+    """A TP model's width rules (the module docstring; `site_width` applies them)."""
+
+    policy: object = None
+    """The per-site rule: None / 'config' (the config's width), a preset name, a {site: bits}
+    table, a per-site list or a callable (make_policy); the TP engine resolves it for the
+    model's layers (`resolved`)."""
+    edge_bits: int = 8
+    """The width of a model's first and last site where the policy leaves it to the config
+    (max with the config's width); 0: the config's width there too."""
+    gather_bits: int = 8
+    """The width of sequence parallelism's all-gathers (max with the site's width); 0: each
+    site's own width."""
+
+    def __post_init__(self) -> None:
+        for name in ("edge_bits", "gather_bits"):
+            if getattr(self, name) != 0:
+                check_bits(getattr(self, name), name)
+
+    def replace(self, **changes) -> "WidthPlan":
+        return dataclasses.replace(self, **changes)
+
+    def resolved(self, n_layers: int) -> "WidthPlan":
+        """This plan with its policy made a checked site -> bits function for n_layers."""
+        return self.replace(policy=make_policy(self.policy, n_layers))
+
+    @property
+    def policy_name(self) -> str:
+        """The policy as a name ('config' for None; a preset or telemetry name as given; 'table'
+        for anything else)."""
+        if self.policy is None:
+            return "config"
+        return self.policy if isinstance(self.policy, str) else "table"
+
+    @classmethod
+    def of(cls, policy) -> "WidthPlan":
+        """A WidthPlan as given, or a bare policy (make_policy's spec) under the default edge
+        and gather rules."""
+        return policy if isinstance(policy, WidthPlan) else cls(policy=policy)
+
+    @classmethod
+    def from_name(cls, name: str) -> "WidthPlan":
+        """The width rules of a comm preset (EchoConfig.from_name's names): the naive presets
+        '4' and '8' run every site, gathers included, at their own width; the paper's setting
+        'echo4-output' has no edge rule; 'early8' is the early8 policy; the rest the defaults."""
+        return cls(**PRESET_WIDTHS.get(name, {}))
+
+
+PRESET_WIDTHS = {
+    "8": dict(edge_bits=0, gather_bits=0),
+    "4": dict(edge_bits=0, gather_bits=0),
+    "echo4-output": dict(edge_bits=0),
+    "early8": dict(policy="early8"),
+}
+"""Comm presets whose width rules differ from WidthPlan's defaults (the rest of each preset,
+what the collective reads, is EchoConfig.from_name's)."""
+_PLAN_KEYS = ("policy", "edge_bits", "gather_bits")
+
+
+def site_width(plan: WidthPlan, site: int, *, bits: int, n_layers: int,
+               kind: str = "reduce") -> int | None:
+    """The width of static site `site` of a model of n_layers layers under `plan`, on a
+    communicator whose config runs at `bits`; None: the config's width (the call passes no
+    bits). kind 'reduce' (the all-reduce, SP's reduce-scatter): the policy's width; where the
+    policy gives None at the first or last site (0, 2 * n_layers - 1) of a quantized config,
+    max(bits, edge_bits) (edge_bits 0: None). kind 'gather' (SP's all-gather): the reduce
+    width (bits where None) widened to gather_bits (gather_bits 0: unchanged); never None."""
+    if kind not in SITE_KINDS:
+        raise ValueError(f"kind must be one of {SITE_KINDS}, got {kind!r}")
+    fn = plan.policy if callable(plan.policy) else make_policy(plan.policy, n_layers)
+    width = fn(site)
+    if (width is None and plan.edge_bits and bits != 16 and n_layers >= 1
+            and site in (0, SITES_PER_LAYER * n_layers - 1)):
+        width = max(bits, plan.edge_bits)
+    if kind == "reduce":
+        return width
+    b = bits if width is None else width
+    return max(b, plan.gather_bits) if plan.gather_bits else b
+
+
+def calibration_plan(plan: WidthPlan) -> WidthPlan:
+    """The plan of a telemetry policy's calibration pass: every site at the config's own width
+    (no policy, no edge rule), the gathers as the plan says."""
+    return plan.replace(policy=None, edge_bits=0)
 
 
 def make_policy(spec, n_layers: int) -> BitPolicy:
@@ -118,25 +224,26 @@ class _EndsWide:
 
 @dataclass(frozen=True, kw_only=True)
 class CommSpec:
-    """One parsed comm config: its label (the spec string), EchoConfig and bit policy name."""
+    """One parsed comm config: its label (the spec string), what the collective reads
+    (EchoConfig) and the TP engine's width rules (WidthPlan, its policy a name)."""
 
     label: str
     config: EchoConfig
-    policy: str = "config"
+    widths: WidthPlan = WidthPlan()
 
     def as_dict(self) -> dict:
-        return {"label": self.label, "policy": self.policy, **dataclasses.asdict(self.config)}
+        """One flat row: label, policy (name), the config's fields, edge_bits, gather_bits."""
+        return {"label": self.label, "policy": self.widths.policy_name,
+                **dataclasses.asdict(self.config), "edge_bits": self.widths.edge_bits,
+                "gather_bits": self.widths.gather_bits}
 
 
 def parse_comm_spec(text: str) -> CommSpec:
     """'echo4:eta=0.9,quantizer=naive' -> CommSpec (see the module docstring for the syntax)."""
     text = text.strip()
     name, _, rest = text.partition(":")
-    policy = "config"
-    if name == "early8":
-        base, policy = EchoConfig.from_name("echo4"), "early8"
-    else:
-        base = EchoConfig.from_name(name)
+    base = EchoConfig.from_name("echo4" if name == "early8" else name)
+    widths = {"policy": "config", **PRESET_WIDTHS.get(name, {})}
     changes: dict = {}
     for item in filter(None, (s.strip() for s in rest.split(","))):
         key, eq, value = item.partition("=")
@@ -144,16 +251,19 @@ def parse_comm_spec(text: str) -> CommSpec:
         if not eq:
             raise ValueError(f"comm spec {text!r}: {item!r} is not KEY=VALUE")
         if key == "policy":
-            policy = value.strip()
-            continue
-        if key not in _FIELD_TYPES:
+            widths["policy"] = value.strip()
+        elif key in _PLAN_KEYS:
+            widths[key] = _convert(key, value.strip(), text, "int")
+        elif key in _FIELD_TYPES:
+            changes[key] = _convert(key, value.strip(), text, str(_FIELD_TYPES[key]))
+        else:
             raise ValueError(f"comm spec {text!r}: unknown key {key!r}; known: "
-                             f"{sorted(_FIELD_TYPES) + ['policy', 'g']}")
-        changes[key] = _convert(key, value.strip(), text)
+                             f"{sorted([*_FIELD_TYPES, *_PLAN_KEYS, 'g'])}")
+    policy = widths["policy"]
     if policy not in POLICIES and telemetry_budget(policy) is None:
         raise ValueError(f"comm spec {text!r}: unknown policy {policy!r}; choose one of "
                          f"{POLICIES} or telemetry@BITS / telemetry-rel@BITS")
-    return CommSpec(label=text, config=base.replace(**changes), policy=policy)
+    return CommSpec(label=text, config=base.replace(**changes), widths=WidthPlan(**widths))
 
 
 def parse_comm_specs(texts: str | Sequence[str]) -> list[CommSpec]:
@@ -166,8 +276,7 @@ def parse_comm_specs(texts: str | Sequence[str]) -> list[CommSpec]:
     return specs
 
 
-def _convert(key: str, value: str, text: str):
-    kind = str(_FIELD_TYPES[key])
+def _convert(key: str, value: str, text: str, kind: str):
     try:
         if kind == "int":
             return int(value)
@@ -210,24 +319,6 @@ def wire_bits_per_value(config: EchoConfig, bits: int | None) -> float:
         return 16.0
     spec = config.replace(bits=b).quant_spec()
     return spec.packet_bytes(spec.group_size) * 8 / spec.group_size
-
-
-def edge_width(config: EchoConfig, bits: int | None, site: int, n_layers: int) -> int | None:
-    """The width of a site after the config's edge rule (EchoConfig.edge_bits): where the
-    policy gives None (the config's width) at a model's first or last site (0 and
-    2 * n_layers - 1), max(config.bits, edge_bits); elsewhere the policy's `bits` as given."""
-    if bits is not None or not config.edge_bits or not config.quantized or n_layers < 1:
-        return bits
-    if site in (0, SITES_PER_LAYER * n_layers - 1):
-        return max(config.bits, config.edge_bits)
-    return bits
-
-
-def gather_width(config: EchoConfig, bits: int | None) -> int:
-    """The width of a sequence-parallel all-gather at a site of width bits (None: the
-    config's): config.gather_bits where that is wider, else the site's own."""
-    b = config.bits if bits is None else bits
-    return max(b, config.gather_bits) if config.gather_bits else b
 
 
 def average_wire_bits(config: EchoConfig, table: Mapping[int, int | None], numel: Mapping[int, int]

@@ -12,12 +12,26 @@ process is the one that should print (rank 0, or the only process).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from echo_tp.communicator import EchoCommunicator, SimulatedCommunicator
 from echo_tp.launch import group_timeout, run_ranks
+from echo_tp.options import cli
+
+
+@dataclass(frozen=True, kw_only=True)
+class Group:
+    """How a tool's TP group runs (the `--simulate` / `--world-size` options of eval and train;
+    under torchrun neither)."""
+
+    simulate: int | None = field(default=None, metadata=cli(metavar="P", group="tp"))
+    """P virtual ranks in this process (bit-identical to real ranks at 4/8 bits; P = 1: the
+    plain model)."""
+    world_size: int | None = field(default=None, metadata=cli(metavar="P", group="tp"))
+    """Spawn P gloo processes on CPU."""
 
 
 @dataclass(frozen=True)
@@ -80,7 +94,6 @@ def rank_device(requested: str | None, rank: int | None) -> torch.device:
 
 def make_comm(rank: int | None, world_size: int, config, *, telemetry: bool = False):
     """The communicator of this rank (a SimulatedCommunicator of world_size when rank is None)."""
-    from echo_tp.communicator import EchoCommunicator, SimulatedCommunicator
     if rank is None:
         return SimulatedCommunicator(world_size, config, telemetry=telemetry)
     return EchoCommunicator.from_group(None, config, telemetry=telemetry)

@@ -24,10 +24,9 @@ relative error was 0.38 uncompensated, 0.36 with both halves compensated (echo4)
 the reduce-scatters only; the all-reduce's Echo 4-bit on the same models: 0.06 (quantizing a
 block's normalized input costs more than quantizing its output).
 
-Width: the all-gathers run at EchoConfig.gather_bits (8 by default; 0: the site's width),
-the reduce-scatters at the site's. On the fidelity testbed at TP=8 (307k tokens) 4-bit
-gathers cost +4.4% perplexity and 8-bit ones +0.36% with Echo's 4-bit reduce-scatters, against
-+1.12% for the all-reduce's echo4 (docs/results/2026-12-01-sp-testbed.md).
+Width: the all-gathers run at WidthPlan.gather_bits (8 by default; 0: the site's width), the
+reduce-scatters at the site's (tp/policy.py: site_width; why 8: the fidelity testbed's SP record,
+docs/results/2026-12-01-sp-testbed.md).
 
 Where the hooks go: our Transformer scatters the embedding output and gathers after the final
 norm inside the last layer's boundary; transformers' models (pass_root = the base model)

@@ -2,7 +2,8 @@
 
 Forward sites ("g", after o_proj / down_proj): all_reduce(partial, direction='forward') forward,
 identity backward. Backward sites ("f", at the input of q/k/v and of gate/up): identity forward,
-all_reduce(input_grad, direction='backward') backward. Both take `bits=policy(site)`.
+all_reduce(input_grad, direction='backward') backward. Both take `bits=` the site's width
+(tp/policy.py: site_width).
 
 Numbering. Site 2l is layer l's attention block, 2l+1 its MLP block (STATIC index, used by the
 bit policy). The communicator numbers calls within a pass in call order:
@@ -41,8 +42,9 @@ from dataclasses import dataclass, field
 import torch
 
 from echo_tp.models.config import ModelConfig
+from echo_tp.norm import add_rmsnorm
 
-from .policy import edge_width, gather_width
+from .policy import WidthPlan, site_width
 
 SEQ_DIM = 1
 """The sequence dim of the activations between blocks ([B, T, hidden])."""
@@ -50,11 +52,12 @@ SEQ_DIM = 1
 
 @dataclass
 class TPContext:
-    """What every site of one parallelized model shares: the communicator and the bit policy
+    """What every site of one parallelized model shares: the communicator and the width plan
     (both swappable, tp.set_comm), plus the bookkeeping of how parameters are split."""
 
     comm: object
-    policy: object
+    widths: WidthPlan
+    """The width rules (tp/policy.py), their policy resolved for n_layers."""
     world_size: int
     n_layers: int
     rank: int | None  # None when simulated
@@ -89,10 +92,10 @@ class TPContext:
     def simulated(self) -> bool:
         return self.rank is None
 
-    def bits(self, site: int):
-        """The site's width: the policy's, or at the first and last site the config's
-        edge_bits where the policy leaves the width to the config (policy.edge_width)."""
-        return edge_width(self.comm.config, self.policy(site), site, self.n_layers)
+    def bits(self, site: int, kind: str = "reduce"):
+        """The site's width (None: the config's), policy.site_width of the plan."""
+        return site_width(self.widths, site, bits=self.comm.config.bits, n_layers=self.n_layers,
+                          kind=kind)
 
 
 @dataclass(eq=False)
@@ -143,12 +146,8 @@ class Site:
         # uncompensated: the gathered input feeds a block, it is not summed into the stream,
         # so a fed-back error would be added to the next block's input instead of cancelled
         y = self.tp.comm.all_gather(x, dim=self.dim, direction=direction,
-                                    bits=self.gather_bits(), compensate=False)
+                                    bits=self.tp.bits(self.index, "gather"), compensate=False)
         return y[0].clone() if self.virtual else y
-
-    def gather_bits(self) -> int:
-        """The all-gathers' width: the site's, widened to the config's gather_bits if set."""
-        return gather_width(self.tp.comm.config, self.tp.bits(self.index))
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [B, T, ...] -> the P shards [B, T/P, ...] along dim (ValueError unless T splits)."""
@@ -342,7 +341,6 @@ class AddNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y, residual, weight, eps: float, site: Site):
-        from echo_tp.norm import add_rmsnorm
         # of two dtypes (autocast: a bf16 reduce-scatter output, an fp32 residual) both are
         # taken in the promoted one, as `residual + y` does (autograd casts the gradients back)
         dtype = torch.promote_types(y.dtype, residual.dtype)

@@ -60,14 +60,17 @@ from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
 from .parallelize import _backward_pass_hook, _forward_pass_hook
+from .policy import WidthPlan
 from .sites import (AllGather, CopyToTP, GatherFromSequence, ReduceFromTP, ReduceScatter,
                     ScatterToSequence, Site, TPContext)
 
 
 def _site(comm, bits: int | None, dim: int = 1) -> Site:
+    """A standalone site of width `bits` (no model layers: no edge rule; the default gather
+    rule)."""
     rank = dist.get_rank(comm.group)
-    tp = TPContext(comm=comm, policy=lambda site: bits, world_size=comm.world_size, n_layers=0,
-                   rank=rank)
+    tp = TPContext(comm=comm, widths=WidthPlan(policy=lambda site: bits),
+                   world_size=comm.world_size, n_layers=0, rank=rank)
     return Site(tp, 0, dim=dim)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+from matplotlib.figure import Figure
+
 from echo_tp.paths import writing
 
 COLUMNS = ("step", "tokens", "lr", "loss", "grad_norm", "val_loss", "elapsed_s")
@@ -62,16 +64,14 @@ class TelemetryLog:
 
 def plot_losses(rows: list[dict], out: str | Path, title: str = "") -> Path:
     """Training loss per step (and its 20-step running mean) with validation points."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     steps = [r["step"] for r in rows]
     loss = [r["loss"] for r in rows]
     k = max(1, min(20, len(loss) // 10))
     mean = [sum(loss[max(0, i - k + 1):i + 1]) / len(loss[max(0, i - k + 1):i + 1])
             for i in range(len(loss))]
     val = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = Figure(figsize=(7, 4))             # no pyplot: no global backend state
+    ax = fig.subplots()
     ax.plot(steps, loss, lw=0.6, alpha=0.4, label="train loss")
     ax.plot(steps, mean, lw=1.5, label=f"train, {k}-step mean")
     if val:
@@ -84,5 +84,4 @@ def plot_losses(rows: list[dict], out: str | Path, title: str = "") -> Path:
     fig.tight_layout()
     out = Path(out)
     fig.savefig(out, dpi=120)
-    plt.close(fig)
     return out

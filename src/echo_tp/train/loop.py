@@ -52,16 +52,18 @@ import dataclasses
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from echo_tp.models import load_tokens
 from echo_tp.models.checkpoint import check_shards
 from echo_tp.models.tokenize import check_token_file, separator_id
+from echo_tp.options import cli
 from echo_tp.paths import check_dir_target, writing
 from echo_tp.telemetry import Telemetry
 from echo_tp.tp import (SIM_PATHS, clip_grad_norm_, grad_norm, parse_comm_spec,
@@ -74,65 +76,96 @@ from .model import SAVE_DTYPES, Built, build_model, is_hf_dir, model_config, sav
 
 @dataclass(frozen=True, kw_only=True)
 class TrainOptions:
-    model: str
-    """Model preset name (echo_tp.models.PRESETS), a .json model config (ModelConfig fields,
-    optionally on a "preset"; or a transformers config.json) or an HF directory."""
+    """The options of `echo-tp train` and train.main: each field is one command-line option
+    (echo_tp.options: `--field-name`, its docstring the help)."""
+
+    model: str = "qwen3-150m"
+    """Model preset, a .json model config (ModelConfig fields, optionally on a "preset"; or a
+    transformers config.json), or an HF directory of a transformers causal LM: config.json
+    (random init from --seed) or config.json + *.safetensors (fine-tuning; each rank reads only
+    its slices)."""
     train_data: str
     """Token file (.bin + .json sidecar) to train on."""
-    model_fields: tuple[str, ...] = ()
-    """KEY=VALUE ModelConfig fields changed on top of the preset or .json file."""
+    model_fields: tuple[str, ...] = field(default=(), metadata=cli(flag="--model-field",
+                                                                   metavar="KEY=VALUE"))
+    """ModelConfig fields on top of --model, e.g. n_layers=24 dim=512 qk_norm=true."""
     val_data: str | None = None
     """Held-out token file for periodic evaluation (None: no evaluation)."""
     comm: str = "16"
-    """Comm spec string (tp.policy), used at every forward and backward site."""
+    """Comm spec (tp.policy), used at every forward and backward site, e.g. 16, echo4,
+    'echo4:eta=0.9'."""
     steps: int = 1000
-    """Optimizer steps; the LR schedule's length (also when time_budget stops the run early)."""
-    time_budget: float | None = None
-    """Wall-clock seconds: stop after the first step that ends past it (see the module doc)."""
+    """Optimizer steps: the LR schedule's length (also when --time-budget stops the run
+    early)."""
+    time_budget: float | None = field(default=None, metadata=cli(metavar="SECONDS"))
+    """Stop after the step that ends past SECONDS (from the first step), then evaluate and
+    save; the schedule stays the one over --steps."""
     seq_len: int = 1024
+    """Tokens per sequence."""
     batch_size: int = 8
     """Sequences per micro-batch."""
     grad_accum: int = 1
     """Micro-batches per optimizer step."""
-    bos: bool = False
-    """Rows start with BOS and pack whole document pieces (train/data.py)."""
+    bos: bool = field(default=False, metadata=cli(implied_by="bos_id"))
+    """Every sequence starts with BOS and packs whole document pieces (documents split at the
+    token file's eos_id; train/data.py)."""
     bos_id: int | None = None
-    """BOS token id (default: the token file's eos_id, its document separator)."""
+    """BOS token id (implies --bos; default: the token file's eos_id, its document
+    separator)."""
     lr: float = 3e-4
+    """Peak learning rate."""
     min_lr: float | None = None
-    """End of the cosine decay (default lr / 10)."""
+    """End of the cosine decay (default: lr / 10)."""
     warmup: int = 100
+    """Linear warmup steps."""
     weight_decay: float = 0.1
+    """AdamW weight decay (matrices only)."""
     beta1: float = 0.9
+    """AdamW beta1."""
     beta2: float = 0.95
+    """AdamW beta2."""
     eps: float = 1e-8
+    """AdamW epsilon."""
     clip: float = 1.0
     """Max global grad norm (0: no clipping, the norm is still logged)."""
     eval_every: int = 0
+    """Evaluate on --val-data every N steps (0: at the end only)."""
     eval_batches: int = 20
+    """Batches of each evaluation."""
     save_every: int = 0
-    save_dtype: str = "float32"
+    """Save a checkpoint every N steps (0: at the end only)."""
+    save_dtype: str = field(default="float32", metadata=cli(choices=SAVE_DTYPES))
     """Checkpoint dtype: float32 (the master weights as they are) or bfloat16 (half the size)."""
     compile: bool = False
     """torch.compile the model (its forward and backward)."""
-    sync_every: int = 10
-    """Read loss and grad norm from the device every N steps (one host sync per N steps)."""
+    sync_every: int = field(default=10, metadata=cli(metavar="N"))
+    """Read loss and grad norm from the device every N steps (one host sync per N steps; the
+    CSV still gets a row per step)."""
     out_dir: str = "runs/train"
+    """Output directory: config, log.csv, the plot, checkpoints."""
     seed: int = 0
+    """Init and data order."""
     device: str | None = None
+    """Plain and simulated runs: cpu/cuda (default cuda if any)."""
     amp: bool | None = None
-    """bf16 autocast; default: on for CUDA, off on CPU."""
-    sequence_parallel: bool = False
+    """bf16 autocast (default: on for CUDA, off on CPU)."""
+    sequence_parallel: bool = field(default=False, metadata=cli(group="tp"))
     """TP runs sequence-parallel (tp/sequence.py): a reduce-scatter and an all-gather at each
-    block boundary instead of the all-reduce (seq_len must split over the ranks)."""
-    sim_path: str = "shards"
-    """Simulated TP: 'shards' (each block's virtual shards in turn, the reference) or 'batched'
-    (the ranks as a batch dim, tp/batched.py). Other modes ignore it."""
-    telemetry_every: int = 0
-    """Every N steps one step with the collective's telemetry on (0: never; module doc)."""
+    block boundary instead of the all-reduce (the all-gathers at the comm's gather_bits: 8
+    unless the spec says, e.g. 'echo4:gather_bits=0'; seq_len must split over the ranks)."""
+    sim_path: str = field(default="shards", metadata=cli(choices=SIM_PATHS, group="tp"))
+    """--simulate: each block's virtual shards one after another ('shards', the reference) or
+    the ranks as a batch dim of every op ('batched': the fast path, tp/batched.py; bit for bit
+    on the CPU, within float tolerance on GPUs). Other modes ignore it."""
+    telemetry_every: int = field(default=0, metadata=cli(metavar="N"))
+    """Every N steps one step with the collective's per-call error telemetry on
+    (out_dir/telemetry.csv; simulated: the exact ||y - sum x|| per site; 0: never; module
+    doc)."""
     progress: bool = True
+    """Show a progress bar (--no-progress: none)."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "model_fields", tuple(self.model_fields))
         for name in ("steps", "seq_len", "batch_size", "grad_accum", "eval_batches",
                      "sync_every"):
             if getattr(self, name) < 1:
@@ -278,7 +311,7 @@ def _rank_train(rank: int | None, world_size: int, o: TrainOptions) -> dict:
     spec = parse_comm_spec(o.comm)
     comm = None if world_size == 1 else make_comm(rank, world_size, spec.config)
     built = build_model(o.model, o.model_fields, seed=o.seed, comm=comm, rank=rank,
-                        world_size=world_size, device=device, policy=spec.policy,
+                        world_size=world_size, device=device, policy=spec.widths,
                         sequence_parallel=o.sequence_parallel, sim_path=o.sim_path)
     model = built.model
     forward = prepare_forward(built, o.compile)
@@ -309,7 +342,6 @@ def _rank_train(rank: int | None, world_size: int, o: TrainOptions) -> dict:
     tlog = TelemetryLog(out / "telemetry.csv") if main and o.telemetry_every and comm else None
     bar = None
     if main and o.progress:
-        from tqdm import tqdm
         bar = tqdm(total=o.steps, desc=f"train {spec.label} ({built.mode})", unit="step")
     tokens_per_step = o.batch_size * o.grad_accum * o.seq_len
     pending: list[tuple] = []  # (step, lr, loss, norm, elapsed), loss and norm on the device
@@ -399,30 +431,11 @@ def _rank_train(rank: int | None, world_size: int, o: TrainOptions) -> dict:
             if done > 1 and t_last > t_step1 else None}
 
 
-def main(*, model: str, train_data: str, val_data: str | None = None, comm: str = "16",
-         model_fields: tuple[str, ...] | list[str] = (), steps: int = 1000,
-         time_budget: float | None = None, seq_len: int = 1024, batch_size: int = 8,
-         grad_accum: int = 1, bos: bool = False, bos_id: int | None = None, lr: float = 3e-4,
-         min_lr: float | None = None, warmup: int = 100, weight_decay: float = 0.1,
-         clip: float = 1.0, eval_every: int = 0, eval_batches: int = 20, save_every: int = 0,
-         save_dtype: str = "float32", compile: bool = False, sync_every: int = 10,
-         out_dir: str = "runs/train", seed: int = 0, device: str | None = None,
-         amp: bool | None = None, simulate: int | None = None, world_size: int | None = None,
-         progress: bool = True, sequence_parallel: bool = False, sim_path: str = "shards",
-         telemetry_every: int = 0) -> dict:
-    """Train (arguments as in TrainOptions) on simulate=P virtual ranks, world_size=P gloo
-    processes or under torchrun; with none of them (or P = 1) the plain single-device model.
-    Prints a summary on rank 0 and returns it ({} elsewhere)."""
-    o = TrainOptions(model=model, train_data=train_data, model_fields=tuple(model_fields),
-                     val_data=val_data, comm=comm, steps=steps, time_budget=time_budget,
-                     seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum, bos=bos,
-                     bos_id=bos_id, lr=lr, min_lr=min_lr, warmup=warmup,
-                     weight_decay=weight_decay, clip=clip, eval_every=eval_every,
-                     eval_batches=eval_batches, save_every=save_every, save_dtype=save_dtype,
-                     compile=compile, sync_every=sync_every, out_dir=out_dir, seed=seed,
-                     device=device, amp=amp, progress=progress,
-                     sequence_parallel=sequence_parallel, sim_path=sim_path,
-                     telemetry_every=telemetry_every)
+def main(*, simulate: int | None = None, world_size: int | None = None, **options) -> dict:
+    """Train (options: TrainOptions' fields) on simulate=P virtual ranks, world_size=P gloo
+    processes or under torchrun (tp.runtime.Group); with none of them (or P = 1) the plain
+    single-device model. Prints a summary on rank 0 and returns it ({} elsewhere)."""
+    o = TrainOptions(**options)
     check_group_args(simulate=simulate, world_size=world_size)
     parse_comm_spec(o.comm)  # fail fast, before any process starts or the model is built
     model_config(o.model, o.model_fields)

@@ -1,4 +1,5 @@
-"""P simulated ranks in one process running the fused all-reduce kernels (the pure-tensor form).
+"""P simulated ranks in one process running the fused all-reduce kernels (the pure-tensor form),
+and the simulated communicator's backend over them on a GPU (FusedSimBackend). Needs triton.
 
 `SimulatedFused` mirrors collective/qar.compensated_all_reduce over SimTransport: x [P, N] ->
 y [P, N], the state (m1, m2 [P, N]) updated in place, bit for bit; with residual= [P, N] it
@@ -9,7 +10,7 @@ flag a kernel waits for is already set. Runs wherever the kernels run: the CPU u
 TRITON_INTERPRET=1, or one GPU.
 
 The halves mirror collective/sharded.py over SimTransport the same way (allreduce_plan's
-module docstring; chunks of whole quantization groups only: allreduce_plan.supported_half):
+module docstring; chunks of whole quantization groups only: kernels/fits.py):
 
     reduce_scatter(x [P, P*m]) -> [P, m]      entry(all ranks) -> reduce(all)
     all_gather(x [P, m])       -> [P, P*m]    encode(all) -> tail(all), identical rows
@@ -20,8 +21,13 @@ import torch
 
 from ..compensator import CompState
 from ..config import EchoConfig, QuantSpec
-from .allreduce_plan import CallPlan, Layout, local_amax, supported_half
-from .flags import describe_error, new_error_buffer
+from ..kernels.allreduce_plan import CallPlan, Layout, local_amax
+from ..kernels.fits import fits
+from ..kernels.flags import describe_error, new_error_buffer
+from . import routing, tuning
+from .backend import Backend
+from .qar import grad_scale
+from .simulated import SimTransport
 
 
 class SimulatedFused:
@@ -91,7 +97,7 @@ class SimulatedFused:
     def _half(self, kind: str, x: torch.Tensor, cfg: EchoConfig, state: CompState | None,
               backward: bool) -> torch.Tensor:
         P, n = self._ranks(x)
-        why = supported_half(kind, x[0], cfg, P, _rank_state(state, 0))
+        why = fits(kind, x[0], cfg, world_size=P, state=_rank_state(state, 0))
         if why is not None:
             raise ValueError(f"the kernels cannot run this {kind}: {why}")
         out = n // P if kind == "reduce_scatter" else n * P
@@ -111,8 +117,6 @@ class SimulatedFused:
     def _grad_scale(self, x: torch.Tensor, cfg: EchoConfig, state: CompState | None,
                     backward: bool) -> torch.Tensor | None:
         """The backward power of two [P, 1] over the group's x' (None: no scaling)."""
-        from ..collective.qar import grad_scale
-        from ..collective.simulated import SimTransport
         if not (backward and cfg.grad_scaling):
             return None
         P = x.shape[0]
@@ -164,3 +168,71 @@ class SimulatedFused:
 
 def _rank_state(state: CompState | None, r: int) -> CompState | None:
     return None if state is None else CompState(state.m1[r], state.m2[r])
+
+
+class FusedSimBackend(Backend):
+    """Simulated calls on a GPU through the fused p2p kernels (SimulatedFused above: the
+    entry, reduce and tail stages of every virtual rank over per-rank buffers, bit-identical to
+    the reference: tests/test_p2p_gpu.py), with the tile shape the routing policy picks for a
+    real group of this size. The reduce-scatter and all-gather halves likewise (entry, reduce
+    without requantization / encode, tail: bit-identical to collective/sharded.py,
+    tests/test_sharded_kernels.py), on the layout of the all-reduce of the same P*m values,
+    as collective/p2p.P2PBackend runs them on real ranks (there on two workspaces per layout
+    and kind, used in turn; here the stages of every virtual rank run one after the other, so
+    one is enough).
+    Everything else goes to `reference` (a TransportBackend over SimTransport, the same bits):
+    CPU tensors, bits=16, telemetry (the kernels leave no StepRecord), and calls the kernels
+    do not take (kernels/fits.fits of virtual rank 0's row: for the halves chunks of a whole
+    number of quantization groups)."""
+
+    name = "simulated-fused"
+
+    def __init__(self, reference):
+        self.reference = reference
+        self.world_size = reference.world_size
+        self._sims: dict = {}
+
+    def run(self, x: torch.Tensor, cfg, *, state, backward: bool, record: bool,
+            inplace: bool = False, route=None):
+        if record or not self._fits("all_reduce", x, cfg, state):
+            return self.reference.run(x, cfg, state=state, backward=backward, record=record,
+                                      inplace=inplace)
+        return self._sim(x, cfg)(x, cfg, state=state, backward=backward), None
+
+    def reduce_scatter(self, x, cfg, *, state, backward, route=None):
+        """x [P, P*m] -> [P, m] (collective/sharded.py's semantics)."""
+        if not self._fits("reduce_scatter", x, cfg, state):
+            return self.reference.reduce_scatter(x, cfg, state=state, backward=backward)
+        return self._sim(x, cfg).reduce_scatter(x, cfg, state=state, backward=backward)
+
+    def all_gather(self, x, cfg, *, state, backward, route=None):
+        """x [P, m] -> [P, P*m] (collective/sharded.py's semantics)."""
+        if not self._fits("all_gather", x, cfg, state):
+            return self.reference.all_gather(x, cfg, state=state, backward=backward)
+        return self._sim(x, cfg, self.world_size * x.shape[1]).all_gather(
+            x, cfg, state=state, backward=backward)
+
+    def _fits(self, kind: str, x: torch.Tensor, cfg, state) -> bool:
+        """The kernels take this call of x [P, n]: a contiguous CUDA tensor whose rows fit."""
+        if not (x.is_cuda and x.dim() == 2 and x.is_contiguous()):
+            return False
+        row = None if state is None else CompState(state.m1[0], state.m2[0])
+        return fits(kind, x[0], cfg, world_size=self.world_size, state=row) is None
+
+    def _sim(self, x: torch.Tensor, cfg, numel: int | None = None):
+        """The simulation with the routing's tile shape for a call of numel values per rank
+        (default x's row: the all-reduce, the reduce-scatter)."""
+        call = routing.Call.of(numel or x.shape[1], x.element_size(), cfg, self.world_size,
+                               on_gpu=True)
+        plan = routing.p2p_route(call, tuning.DEFAULT, "simulated", form="staged")
+        key = (plan.tile, plan.step, plan.num_warps)
+        sim = self._sims.get(key)
+        if sim is None:
+            sim = self._sims[key] = SimulatedFused(self.world_size, tile_elems=plan.tile,
+                                                   step_elems=plan.step,
+                                                   num_warps=plan.num_warps)
+        return sim
+
+    def close(self) -> None:
+        self._sims.clear()
+
