@@ -15,6 +15,7 @@ import torch
 
 from echo_tp.config import PAPER_STATE, EchoConfig
 from echo_tp.launch import run_ranks
+from echo_tp.models import ModelConfig, build_meta_model, init_weights
 
 __all__ = ["run_ranks", "bits_differ", "assert_bits_equal", "interpret_kernels", "two_timescale",
            "extreme_groups", "edge_input"]
@@ -118,3 +119,22 @@ def edge_input(P, n, dtype, call, seed):
         x[:, 1::2] *= -1
         x[:, 512:] = ramp[512:] if dtype == torch.float16 else x[:, 512:]
     return x.to(dtype)
+
+
+def perturbed_model(preset: str, over: dict, seed: int) -> torch.nn.Module:
+    """A model of `preset` (fields `over` replaced) with seeded weights (seed) and its norms and
+    biases moved away from 1 / 0 (seed + 1), so a dropped one shows in a comparison."""
+    cfg = ModelConfig.from_name(preset).replace(**over)
+    model = init_weights(build_meta_model(cfg).to_empty(device="cpu"), seed=seed, std=0.1)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def token_batch(seed: int, shape=(2, 9)) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of random token ids < 256, seeded."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, shape, generator=g), torch.randint(0, 256, shape, generator=g)

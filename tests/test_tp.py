@@ -35,7 +35,7 @@ from echo_tp import EchoConfig, SimulatedCommunicator
 from echo_tp.models import ModelConfig, build_meta_model, init_weights
 from echo_tp.tp import (WidthPlan, full_state_dict, grad_norm, make_policy, parallelize,
                         parse_comm_spec, rank_parameters, sync_partial_grads)
-from harness import run_ranks, two_timescale
+from harness import perturbed_model, run_ranks, token_batch, two_timescale
 
 CASES = {  # name -> (preset, ModelConfig overrides, world sizes it runs at)
     "llama": ("tiny-llama", {}, (2,)),
@@ -51,19 +51,11 @@ SP_CASES = {"llama-bias": (2,), "qwen3": (2, 4)}   # sequence parallel: case -> 
 
 def build(case: str) -> torch.nn.Module:
     preset, over, _ = CASES[case]
-    cfg = ModelConfig.from_name(preset).replace(**over)
-    model = init_weights(build_meta_model(cfg).to_empty(device="cpu"), seed=11, std=0.1)
-    g = torch.Generator().manual_seed(12)
-    with torch.no_grad():  # norms and biases away from 1 / 0, so a dropped one shows
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith(".bias"):
-                p.add_(0.1 * torch.randn(p.shape, generator=g))
-    return model
+    return perturbed_model(preset, over, 11)
 
 
 def batch():
-    g = torch.Generator().manual_seed(13)
-    return torch.randint(0, 256, (2, 9), generator=g), torch.randint(0, 256, (2, 9), generator=g)
+    return token_batch(13)
 
 
 def sp_batch():

@@ -33,10 +33,10 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import two_timescale
+from harness import perturbed_model, token_batch, two_timescale
 
 from echo_tp import EchoConfig, SimulatedCommunicator
-from echo_tp.models import ModelConfig, build_meta_model, init_weights
+from echo_tp.models import ModelConfig
 from echo_tp.models.transformer import MLP, Attention
 from echo_tp.tp import batched, parallelize, rank_parameters, sync_partial_grads
 from test_train_tools import data, train  # noqa: F401  (the token-file fixture)
@@ -50,19 +50,11 @@ LOGIT_ATOL, GRAD_ATOL, GRAD_RTOL = 1e-5, 2e-6, 1e-4
 
 
 def build(preset: str, over: dict) -> torch.nn.Module:
-    cfg = ModelConfig.from_name(preset).replace(**over)
-    model = init_weights(build_meta_model(cfg).to_empty(device="cpu"), seed=21, std=0.1)
-    g = torch.Generator().manual_seed(22)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith(".bias"):
-                p.add_(0.1 * torch.randn(p.shape, generator=g))
-    return model
+    return perturbed_model(preset, over, 21)
 
 
 def batch():
-    g = torch.Generator().manual_seed(23)
-    return torch.randint(0, 256, (2, 9), generator=g), torch.randint(0, 256, (2, 9), generator=g)
+    return token_batch(23)
 
 
 def run_step(model):

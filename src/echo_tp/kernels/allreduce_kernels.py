@@ -167,8 +167,7 @@ def _store_packet(dst, scale_off, zero_off, grp, gmask, t, sw, z16, GS: tl.const
 @triton.jit
 def _decode_slot(src, scale_off, zero_off, grp, gmask, GS: tl.constexpr, BITS: tl.constexpr,
                  VT: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr, SAT: tl.constexpr):
-    """One step of the packet in the slot at src -> (fp32 [V, SG, T, 8], its steps sf
-    [1, SG, 1, 1]) (SAT: _dequant's)."""
+    """One step of the packet in the slot at src -> fp32 [V, SG, T, 8] (SAT: _dequant's)."""
     qf = _load_codes(src, grp, gmask, GS, BITS, VT)
     sf = _word_scale(tl.load((src + scale_off).to(tl.pointer_type(tl.int16)) + grp, mask=gmask,
                              other=0x3C00, cache_modifier=".cg"))         # masked lanes: 1.0
@@ -177,7 +176,7 @@ def _decode_slot(src, scale_off, zero_off, grp, gmask, GS: tl.constexpr, BITS: t
     else:
         zf = tl.load((src + zero_off).to(tl.pointer_type(tl.float16)) + grp, mask=gmask,
                      other=0.0, cache_modifier=".cg").to(tl.float32)
-    return _dequant(qf, sf, zf, QUANT, QMAX, SAT), sf
+    return _dequant(qf, sf, zf, QUANT, QMAX, SAT)
 
 
 # ----------------------------------------------------------------------------- backward scale
@@ -225,7 +224,7 @@ def _entry_tile(t, j, ep, x_ptr, m1_ptr, m2_ptr, fs_ptr, table_ptr,
     peer = _buffer(table_ptr, j)
     for c in tl.range(0, BG // SG):
         grp, gmask, e, emask = _step_ids(t, c, j, seg, groups, n, BG, SG, GS, VT)
-        sw, sf, z16, q, m1, m2, err = _entry_step(
+        sw, z16, q, m1, m2, err = _entry_step(
             x_ptr, m1_ptr, m2_ptr, fs_ptr, e, emask, eta, a, oma, X_KIND, QUANT, LEVELS, QMAX,
             COMP, SCALED, LOCAL)
         _store_packet(peer + _slot(RANK, slot), scale_off, zero_off, grp, gmask, q, sw, z16,
@@ -240,7 +239,7 @@ def _entry_step(x_ptr, m1_ptr, m2_ptr, fs_ptr, e, emask, eta, a, oma, X_KIND: tl
                 QUANT: tl.constexpr, LEVELS: tl.constexpr, QMAX: tl.constexpr,
                 COMP: tl.constexpr, SCALED: tl.constexpr, LOCAL: tl.constexpr):
     """The arithmetic of one entry step: x', its group parameters and codes and, LOCAL, the
-    rounding error x' - x^ [/ 2^e] -> (scale words, sf, z16, codes, m1, m2, error)."""
+    rounding error x' - x^ [/ 2^e] -> (scale words, z16, codes, m1, m2, error)."""
     xp, m1, m2, xs, f = _x_scaled(x_ptr, m1_ptr, m2_ptr, fs_ptr, e, emask, eta, a, oma,
                                   X_KIND, COMP, SCALED)
     sw, sf, z16, zf, finite = _group_params(xs, QUANT, LEVELS, QMAX)
@@ -251,7 +250,7 @@ def _entry_step(x_ptr, m1_ptr, m2_ptr, fs_ptr, e, emask, eta, a, oma, X_KIND: tl
             err = err * tl.math.div_rn(tl.full([], 1.0, tl.float32), f)
     else:
         err = xs
-    return sw, sf, z16, q, m1, m2, err
+    return sw, z16, q, m1, m2, err
 
 
 @triton.jit
@@ -289,7 +288,7 @@ def _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_ptr
             grp, gmask, e, emask = _step_ids(t, c, 0, seg, groups, n, BG, SG, GS, VT)
         else:
             grp, gmask, e, emask = _step_ids(t, c, RANK, seg, groups, n, BG, SG, GS, VT)
-        xp, m1, m2, xs, f, acc = _owner_sum(
+        m1, m2, xs, f, acc = _owner_sum(
             x_ptr, m1_ptr, m2_ptr, fs_ptr, own, e, emask, grp, gmask, slot, scale_off, zero_off,
             eta, a, oma, RANK, P, X_KIND, GS, VT, BITS, QUANT, QMAX, COMP, SCALED, HALF)
         if HALF == 1:
@@ -344,7 +343,7 @@ def _owner_sum(x_ptr, m1_ptr, m2_ptr, fs_ptr, own, e, emask, grp, gmask, slot, s
                SCALED: tl.constexpr, HALF: tl.constexpr):
     """One reduce step's x' [* 2^e] and owner sum acc = c_0 + c_1 + ... in rank order (the own
     contribution x' unquantized, each decoded packet and the sum of a finite x' saturated at
-    +-fp32 max; HALF 2: acc = x') -> (x', m1, m2, xs, f, acc)."""
+    +-fp32 max; HALF 2: acc = x') -> (m1, m2, xs, f, acc)."""
     xp, m1, m2, xs, f = _x_scaled(x_ptr, m1_ptr, m2_ptr, fs_ptr, e, emask, eta, a, oma,
                                   X_KIND, COMP, SCALED)
     if HALF == 2:
@@ -354,14 +353,14 @@ def _owner_sum(x_ptr, m1_ptr, m2_ptr, fs_ptr, own, e, emask, grp, gmask, slot, s
             if r == RANK:
                 v = xs
             else:
-                v, sf = _decode_slot(own + _slot(r, slot), scale_off, zero_off, grp, gmask,
+                v = _decode_slot(own + _slot(r, slot), scale_off, zero_off, grp, gmask,
                                      GS, BITS, VT, QUANT, QMAX, True)
             if r == 0:
                 acc = v
             else:
                 acc = acc + v
         acc = tl.where(tl.abs(xs) <= F32_MAX, _sat(acc, F32_MAX), acc)   # a finite own x':
-    return xp, m1, m2, xs, f, acc                                          # no overflow
+    return m1, m2, xs, f, acc                                              # no overflow
 
 
 @triton.jit
@@ -383,7 +382,7 @@ def _tail_tile(t, j, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_pt
     for c in tl.range(0, BG // SG):
         grp, gmask, e, emask = _step_ids(t, c, j, seg, groups, n, BG, SG, GS, VT)
         emask = gated(emask, ok)
-        y32, sf = _decode_slot(own + _slot(P + j, slot), scale_off, zero_off, grp, gmask, GS,
+        y32 = _decode_slot(own + _slot(P + j, slot), scale_off, zero_off, grp, gmask, GS,
                                BITS, VT, QUANT, QMAX, SCALED)   # unsaturated: every use
         #                                                         saturates below
         if SCALED:
