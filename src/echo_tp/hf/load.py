@@ -2,6 +2,7 @@
 
     model = load_hf_tp(path, EchoCommunicator.from_group(None, cfg), rank)   # a real rank
     model = load_hf_tp(path, SimulatedCommunicator(4, cfg))                   # P virtual ranks
+    model = load_hf_tp("model.gguf", comm[, rank])        # a GGUF file: hf/gguf.py, then the same
 
 The model is built on the meta device from config.json (transformers' AutoModelForCausalLM
 .from_config: no storage), parallelized there by parallelize_hf (only shapes change), and then
@@ -20,6 +21,11 @@ families); a key the model needs but the files lack is a ValueError (for checkpo
 older layout, e.g. per-expert MoE weights, load with from_pretrained and call parallelize_hf), and
 so is a tensor whose shape in the file differs from the one config.json implies, checked before
 any slice of it is read (models/checkpoint.py; a truncated or corrupt shard is named too).
+
+A GGUF file (a path ending in .gguf) is read whole by transformers' GGUF loader instead
+(hf/gguf.py: dequantized into `dtype` on the CPU), then sharded by parallelize_hf and moved to
+`device`: every rank holds the whole model once while loading; gguf_to_hf writes a folder that
+loads the lean way.
 """
 from __future__ import annotations
 
@@ -33,6 +39,7 @@ from torch import nn
 
 from echo_tp.models.checkpoint import INDEX_FILE, check_shape, shard_errors, shard_files
 
+from .gguf import is_gguf, load_gguf_model
 from .parallelize import parallelize_hf
 from .plan import text_config
 
@@ -41,11 +48,16 @@ def load_hf_tp(path: str | Path, comm, rank: int | None = None, *,
                dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
                policy=None, sequence_parallel: bool = False) -> nn.Module:
     """An Echo-TP transformers causal LM whose rank (or virtual ranks) read only their shards
-    (sequence_parallel: as parallelize_hf's)."""
+    (sequence_parallel: as parallelize_hf's); a .gguf file: read whole, then sharded."""
+    if is_gguf(path):
+        model = load_gguf_model(path, dtype=dtype)
+        parallelize_hf(model, comm, rank, policy=policy, sequence_parallel=sequence_parallel)
+        return model.to(device).eval()
     import transformers
     path = Path(path)
     if not (path / "config.json").is_file():
-        raise ValueError(f"{path} has no config.json; expected an HF checkpoint directory")
+        raise ValueError(f"{path} has no config.json; expected an HF checkpoint directory "
+                         "or a .gguf file")
     config = transformers.AutoConfig.from_pretrained(path)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
