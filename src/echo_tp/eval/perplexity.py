@@ -1,10 +1,11 @@
 """`echo-tp eval`: perplexity of one model under a list of comm configs, in one invocation.
 
-    main(model="qwen3-150m" | "/path/to/hf_dir", data="wiki.valid.raw" | "val.bin",
+    main(model="qwen3-150m" | "/path/to/hf_dir" | "model.gguf", data="wiki.valid.raw" | "val.bin",
          comms=["16", "8", "4", "echo4", "early8", "echo4:eta=0.9,quantizer=naive"],
          simulate=4)                                     # or world_size=4, or under torchrun
 
-The model is loaded once (an HF checkpoint directory, or a preset with a seeded random init),
+The model is loaded once (an HF checkpoint directory, a GGUF file, or a preset with a seeded
+random init),
 parallelized once, and pointed at each comm config in turn (tp.set_comm), so every config sees
 the same weights and the same windows.
 
@@ -14,9 +15,10 @@ transformers' own model class for the config (any family echo_tp.hf supports: Qw
 Mistral, Phi-3, Llama 3.1+ rope scaling, ...), loaded by echo_tp.hf.load_hf_tp (each rank reads
 only its slices; the same TP engine, Echo at the same 2L sites). "auto" (default) keeps the
 project's model for every config it reproduces (ModelConfig.from_hf_config accepts it) and
-uses transformers for the rest. Text data is tokenized by the directory's tokenizer.json (the
-tokenizers library, post-processor included: a BOS the tokenizer adds stays) unless
-`tokenizer` names another.
+uses transformers for the rest. A GGUF file always runs transformers' model (read by its GGUF
+loader, echo_tp.hf.gguf). Text data is tokenized by the model's own tokenizer (a directory's
+tokenizer.json, a GGUF file's metadata; the tokenizers pipeline, post-processor included: a BOS
+the tokenizer adds stays) unless `tokenizer` names another (eval/text.py).
 
 Windows (`sliding_windows`): fixed context T, stride S (default S = T: non-overlapping). Window k
 reads tokens [kS, kS + T) and predicts [kS + 1, kS + T]. The first window scores all T targets,
@@ -28,7 +30,8 @@ BOS-started windows (`bos_id`, `--bos`), as a model trained with `echo-tp train 
 sequences and as serving starts a prompt: each window's T tokens are read after one BOS token
 (T + 1 positions); the BOS position's prediction is not scored, so exactly the same targets are
 scored as without BOS. The BOS id defaults to the token file's eos_id (its document separator,
-the BOS of GPT-2-style vocabularies), for a text file the tokenizer's <|endoftext|>.
+the BOS of GPT-2-style vocabularies), for a text file the tokenizer's <|endoftext|>, else the BOS
+token the tokenizer declares (Gemma's <bos>; eval/text.py data_bos_id).
 
 Fidelity to the 16-bit model (`kl`, `--kl`): a second copy of the model at 16 bits runs on the
 same batches, and each row gets the mean KL(p_16 || p_config) of the next-token distributions
@@ -53,12 +56,12 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from echo_tp.config import EchoConfig
-from echo_tp.models import (ModelConfig, build_meta_model, build_tokenizer, init_weights,
-                            load_hf_checkpoint, load_tokens, resolve_model_config)
+from echo_tp.hf.gguf import check_gguf_file, is_gguf, require_gguf_support
+from echo_tp.models import (ModelConfig, build_meta_model, init_weights, load_hf_checkpoint,
+                            resolve_model_config)
 from echo_tp.models.checkpoint import check_shards
 from echo_tp.models.rotate import rotate_hidden
-from echo_tp.models.tokenize import (DEFAULT_EOS, check_token_file, resolve_tokenizer_dir,
-                                     separator_id, token_file_info)
+from echo_tp.models.tokenize import check_token_file, token_file_info
 from echo_tp.options import cli
 from echo_tp.paths import check_file_target, writing
 from echo_tp.tp import parallelize, parse_comm_specs, set_comm
@@ -68,6 +71,8 @@ from echo_tp.tp.runtime import check_group_args, launch, make_comm, rank_device
 
 from .lastword import target_spans, token_classes, word_hits
 from .stats import gap_closed_table, mean_per_token, paired_difference
+from .text import (check_tokenizer, data_bos_id, load_eval_tokens, text_tokenizer,
+                   tokenizer_source)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -81,8 +86,8 @@ class EvalOptions:
     (echo_tp.options: `--field-name`, its docstring the help)."""
 
     model: str
-    """HF checkpoint directory, or a preset name or .json model config (random init from
-    --seed)."""
+    """HF checkpoint directory, a GGUF file (.gguf: transformers' model; the gguf extra), or a
+    preset name or .json model config (random init from --seed)."""
     data: str
     """A token file (.bin with its .json sidecar) or a UTF-8 text file (tokenized here)."""
     comms: tuple[str, ...] = ("16", "8", "4", "echo4")
@@ -104,17 +109,18 @@ class EvalOptions:
     device: str | None = None
     """Simulated runs: cpu/cuda (default cuda if any)."""
     tokenizer: str | None = None
-    """Tokenizer directory for text data (default: the model directory's tokenizer.json, else
-    GPT-2)."""
+    """Tokenizer directory or .gguf file for text data (default: the model's own: its
+    directory's tokenizer.json or its GGUF metadata, else GPT-2)."""
     bos: bool = field(default=False, metadata=cli(implied_by="bos_id"))
     """Prefix each window with BOS (not scored; the same targets are scored)."""
     bos_id: int | None = None
     """BOS token id (implies --bos; default: the token file's eos_id, or the tokenizer's
-    <|endoftext|>)."""
+    <|endoftext|>, else its own BOS token)."""
     impl: str = field(default="auto", metadata=cli(flag="--model-impl", choices=IMPLS))
     """HF directories: the project's Transformer ('echo', Llama/Qwen3 with plain RoPE) or
     transformers' own model through echo_tp.hf.load_hf_tp ('transformers': any family with a
-    base_model_tp_plan); 'auto': echo where it reproduces the config, else transformers."""
+    base_model_tp_plan); 'auto': echo where it reproduces the config, else transformers (always
+    for a .gguf file)."""
     progress: bool = True
     """Show a progress bar (--no-progress: none)."""
     last_word: bool = False
@@ -147,10 +153,16 @@ def model_impl(spec: str, impl: str = "auto") -> str:
     """'echo' or 'transformers': which implementation evaluates `spec` (see the module doc)."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if is_gguf(spec):
+        if impl == "echo":
+            raise ValueError(f"{spec} is a GGUF file, which transformers' model reads: use "
+                             "--model-impl auto or transformers (or convert it with "
+                             "echo_tp.hf.gguf_to_hf and pass the directory)")
+        return "transformers"
     if not Path(spec).is_dir():
         if impl == "transformers":
-            raise ValueError(f"--model-impl transformers needs an HF checkpoint directory; "
-                             f"{spec!r} is not a directory")
+            raise ValueError(f"--model-impl transformers needs an HF checkpoint directory or a "
+                             f".gguf file; {spec!r} is neither")
         return "echo"
     config = Path(spec) / "config.json"
     if not config.is_file():
@@ -187,42 +199,6 @@ def load_model(spec: str, *, seed: int, dtype: torch.dtype, device: torch.device
     cfg = resolve_model_config(spec)
     model = init_weights(build_meta_model(cfg).to_empty(device=device), seed=seed)
     return model.to(dtype).eval(), cfg
-
-
-def load_eval_tokens(data: str, *, model_spec: str, tokenizer: str | None) -> torch.Tensor:
-    """A 1-D LongTensor of the data's tokens (text files tokenized with the model's tokenizer
-    files when its directory has them, else `tokenizer`, else the shipped GPT-2)."""
-    path = Path(data)
-    if not path.is_file():
-        raise ValueError(f"data file {data} does not exist")
-    if path.suffix == ".bin":
-        return load_tokens(path)
-    tok_dir = _text_tokenizer_dir(model_spec, tokenizer)
-    tok = build_tokenizer(resolve_tokenizer_dir(tok_dir))
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"data file {data} is not UTF-8 text ({e}); pass a token file (.bin) "
-                         "or a UTF-8 text file") from None
-    return torch.tensor(tok.encode(text).ids, dtype=torch.long)
-
-
-def _text_tokenizer_dir(model_spec: str, tokenizer: str | None) -> str | None:
-    if tokenizer is None and Path(model_spec).is_dir() and any(
-            (Path(model_spec) / f).is_file() for f in ("tokenizer.json", "vocab.json")):
-        return model_spec
-    return tokenizer
-
-
-def data_bos_id(data: str, *, model_spec: str, tokenizer: str | None) -> int:
-    """The default BOS of `data`: a token file's eos_id, a text file's tokenizer <|endoftext|>."""
-    if Path(data).suffix == ".bin":
-        return separator_id(data)
-    tok = build_tokenizer(resolve_tokenizer_dir(_text_tokenizer_dir(model_spec, tokenizer)))
-    bos = tok.token_to_id(DEFAULT_EOS)
-    if bos is None:
-        raise ValueError(f"the tokenizer has no {DEFAULT_EOS}: pass --bos-id")
-    return bos
 
 
 @dataclass
@@ -440,7 +416,7 @@ def _add_statistics(results, scores, tokens, windows, opts: EvalOptions, n_layer
         if sc.kl is not None:
             r["kl"], r["kl_ci"] = mean_per_token(sc.kl, sc.count, seed=opts.seed)
     if opts.last_word:
-        classes = token_classes(build_tokenizer(resolve_tokenizer_dir(_data_tokenizer(opts))),
+        classes = token_classes(text_tokenizer(_data_tokenizer(opts))[0],
                                 int(max(int(tokens.max()) + 1, 1)))
         spans = target_spans(tokens, windows, opts.context, classes)
         hits = torch.stack([word_hits(sc.correct, spans) for sc in scores])  # [C, K]
@@ -468,7 +444,7 @@ def _data_tokenizer(opts: EvalOptions) -> str | None:
             raise ValueError(f"last_word: {opts.data}'s sidecar names no tokenizer (the words "
                              "are read from its token strings); pass --tokenizer")
         return name
-    return _text_tokenizer_dir(opts.model, opts.tokenizer)
+    return tokenizer_source(opts.model, opts.tokenizer)
 
 
 def format_table(results: list[dict]) -> str:
@@ -538,11 +514,17 @@ def main(*, simulate: int | None = None, world_size: int | None = None, **option
         raise ValueError(f"calibration_windows must be >= 1, got {opts.calibration_windows}")
     if Path(model).is_dir():
         check_shards(model)            # every shard opens: a truncated one is named here
+    elif is_gguf(model):
+        check_gguf_file(model)
+        try:
+            require_gguf_support()     # the extra, before any process starts
+        except ImportError as e:
+            raise ValueError(str(e)) from None   # a user's set-up: one line, not a traceback
     check_data(data, "--data")
     if calibration_data:
         check_data(calibration_data, "--calibration-data")
     if tokenizer:
-        resolve_tokenizer_dir(tokenizer)
+        check_tokenizer(tokenizer)
     if bos and bos_id is None:
         bos_id = data_bos_id(data, model_spec=model, tokenizer=tokenizer)
     opts = dataclasses.replace(opts, impl=which, bos_id=bos_id)

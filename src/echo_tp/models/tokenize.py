@@ -88,6 +88,17 @@ def _special_tokens(path: Path) -> dict[str, int | None]:
     return specials
 
 
+def declared_bos_token(tokenizer_dir: str | Path | None = None) -> str | None:
+    """The BOS token a tokenizer directory declares (tokenizer_config.json's bos_token, else
+    special_tokens_map.json's), or None."""
+    path = resolve_tokenizer_dir(tokenizer_dir)
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        found = _token_content(_read_json(path / name).get("bos_token"))
+        if found:
+            return found[0]
+    return None
+
+
 def build_tokenizer(tokenizer_dir: str | Path | None = None) -> Tokenizer:
     """A byte-level BPE `Tokenizer` from tokenizer_dir (default: the shipped GPT-2 files)."""
     path = resolve_tokenizer_dir(tokenizer_dir)
