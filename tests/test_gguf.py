@@ -46,126 +46,14 @@ from echo_tp.hf import gguf_to_hf, load_gguf_tokenizer, load_hf_tp
 from echo_tp.models import build_tokenizer
 
 T = pytest.importorskip("transformers")
-gguf = pytest.importorskip("gguf")
+pytest.importorskip("gguf")
 pytest.importorskip("accelerate")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "studies"))
 import fetch_models  # noqa: E402
+from tiny_gguf import write_tiny_gemma3, write_tiny_llama  # noqa: E402
 
 TEXT = "the quick brown fox jumps over the lazy dog. in the house there was a mouse. " * 12
 LOGIT_TOL = 1e-5  # of the largest |logit| (module docstring)
-H, FF, LAYERS, HEADS, KV_HEADS = 64, 128, 2, 4, 2
-HEAD_DIM = H // HEADS
-
-
-def _weights(rng):
-    def w(*shape, scale):
-        return (rng.standard_normal(shape) * scale).astype(np.float32)
-    return w
-
-
-def _write(writer, tensors: dict) -> None:
-    for name, value in tensors.items():
-        writer.add_tensor(name, value)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
-def write_tiny_llama(path) -> None:
-    """SmolLM2's layout: GPT-2 byte-level BPE (tokenizer.ggml.model 'gpt2'), <|endoftext|> = 0,
-    no output.weight (tied embeddings), llama.cpp's tensor names."""
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-    merges = ["Ġ t", "h e", "Ġt he", "Ġ a", "i n", "o u", "e r"]
-    tokens = ["<|endoftext|>", *bytes_to_unicode().values(), *("".join(m.split()) for m in merges)]
-    vocab = len(tokens)
-    w = _weights(np.random.default_rng(0))
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(LAYERS)
-    writer.add_context_length(128)
-    writer.add_embedding_length(H)
-    writer.add_feed_forward_length(FF)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_rope_dimension_count(HEAD_DIM)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_vocab_size(vocab)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3] + [1] * (vocab - 1))   # 3: control
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(0)
-    writer.add_eos_token_id(0)
-    tensors = {"token_embd.weight": w(vocab, H, scale=1.0),
-               "output_norm.weight": 1 + w(H, scale=0.1)}
-    for i in range(LAYERS):
-        b = f"blk.{i}."
-        tensors.update({
-            b + "attn_norm.weight": 1 + w(H, scale=0.1),
-            b + "attn_q.weight": w(H, H, scale=0.25),
-            b + "attn_k.weight": w(KV_HEADS * HEAD_DIM, H, scale=0.25),
-            b + "attn_v.weight": w(KV_HEADS * HEAD_DIM, H, scale=0.25),
-            b + "attn_output.weight": w(H, H, scale=0.25),
-            b + "ffn_norm.weight": 1 + w(H, scale=0.1),
-            b + "ffn_gate.weight": w(FF, H, scale=0.25),
-            b + "ffn_up.weight": w(FF, H, scale=0.25),
-            b + "ffn_down.weight": w(H, FF, scale=0.18)})
-    _write(writer, tensors)
-
-
-def write_tiny_gemma3(path) -> None:
-    """Gemma 3 270M's layout: sentencepiece vocabulary (tokenizer.ggml.model 'llama', no merges,
-    <pad> <eos> <bos> <unk> = 0..3, add_bos_token), q/k norms, four norms per layer stored as
-    w + 1, key_length = head_dim, a sliding window, tied embeddings."""
-    letters = list("abcdefghijklmnopqrstuvwxyz.,")
-    pieces = ["▁" + c for c in letters] + ["th", "he", "▁the", "▁a", "in", "er", "ou"]
-    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "▁", *letters, *pieces]
-    vocab = len(tokens)
-    w = _weights(np.random.default_rng(1))
-    writer = gguf.GGUFWriter(str(path), "gemma3")
-    writer.add_block_count(LAYERS)
-    writer.add_context_length(128)
-    writer.add_embedding_length(H)
-    writer.add_feed_forward_length(FF)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_key_length(HEAD_DIM)
-    writer.add_value_length(HEAD_DIM)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_sliding_window(8)
-    writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_tokenizer_model("llama")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_scores([0.0] * vocab)
-    writer.add_token_types([3, 3, 3, 2] + [1] * (vocab - 4))   # 3: control, 2: unknown
-    writer.add_bos_token_id(2)
-    writer.add_eos_token_id(1)
-    writer.add_unk_token_id(3)
-    writer.add_pad_token_id(0)
-    writer.add_add_bos_token(True)
-    writer.add_add_space_prefix(False)
-    tensors = {"token_embd.weight": w(vocab, H, scale=1.0),
-               "output_norm.weight": 1 + w(H, scale=0.1)}
-    for i in range(LAYERS):
-        b = f"blk.{i}."
-        for norm in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"):
-            tensors[b + norm + ".weight"] = 1 + w(H, scale=0.1)
-        for norm in ("attn_q_norm", "attn_k_norm"):
-            tensors[b + norm + ".weight"] = 1 + w(HEAD_DIM, scale=0.1)
-        tensors.update({
-            b + "attn_q.weight": w(HEADS * HEAD_DIM, H, scale=0.25),
-            b + "attn_k.weight": w(KV_HEADS * HEAD_DIM, H, scale=0.25),
-            b + "attn_v.weight": w(KV_HEADS * HEAD_DIM, H, scale=0.25),
-            b + "attn_output.weight": w(H, HEADS * HEAD_DIM, scale=0.25),
-            b + "ffn_gate.weight": w(FF, H, scale=0.25),
-            b + "ffn_up.weight": w(FF, H, scale=0.25),
-            b + "ffn_down.weight": w(H, FF, scale=0.18)})
-    _write(writer, tensors)
-
-
 WRITERS = {"llama": write_tiny_llama, "gemma3": write_tiny_gemma3}
 
 
@@ -227,9 +115,9 @@ def test_eval_cli_on_a_gguf_file(tiny, tmp_path):
     ids = torch.tensor(load_gguf_tokenizer(path).backend_tokenizer.encode(TEXT).ids)  # [N]
     bos = {"llama": 0, "gemma3": 2}[family]   # <|endoftext|>; Gemma's declared <bos>
     model = transformers_model(path)
-    x_bos = lambda x: model(torch.cat([x.new_full((len(x), 1), bos), x], 1)).logits[:, 1:]  # noqa: E731
-    nll, n = window_nll(x_bos, ids, sliding_windows(ids.numel(), context, max_windows=n_windows),
-                        context=context, batch_size=2, device="cpu")
+    nll, n = window_nll(lambda x: model(x).logits, ids,
+                        sliding_windows(ids.numel(), context, max_windows=n_windows),
+                        context=context, batch_size=2, device="cpu", bos_id=bos)
     out = tmp_path / "eval.json"
     assert cli.main(["eval", "--model", str(path), "--data", str(doc), "--comms", "16", "echo4",
                      "--context", str(context), "--max-windows", str(n_windows), "--batch-size",

@@ -3,7 +3,8 @@ block run as written.
 
 Compared: each python block of README.md and docs/usage/*.md runs to completion in a fresh
 interpreter (a block whose first line says `torchrun --nproc-per-node N` runs under torchrun
-with N gloo ranks); the README opens with the two set-up commands `make demo` and `make test`;
+with N gloo ranks; `path/to/hf_dir` and `path/to/model.gguf` are tiny random checkpoints
+written first); the README opens with the two set-up commands `make demo` and `make test`;
 and the one claim the usage pages make about 16-bit bit-identity (simulated == gloo at P = 2,
 not promised at P >= 3; docs/usage/collectives.md) holds as stated.
 Where to look when it fails: the block's stderr printed in the assertion; a README edit that
@@ -46,6 +47,11 @@ def test_readme_python_block_runs(index, tmp_path):
     code = python_blocks()[index]
     if "path/to/hf_dir" in code:
         _tiny_checkpoint(tmp_path / "path" / "to" / "hf_dir")
+    if "path/to/model.gguf" in code:
+        pytest.importorskip("gguf")
+        from tiny_gguf import write_tiny_llama
+        (tmp_path / "path" / "to").mkdir(parents=True, exist_ok=True)
+        write_tiny_llama(tmp_path / "path" / "to" / "model.gguf")
     script = tmp_path / f"block{index}.py"
     script.write_text(code)
     env = dict(os.environ, PYTHONPATH=str(README.parent / "src"), OMP_NUM_THREADS="1")
