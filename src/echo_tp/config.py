@@ -64,9 +64,14 @@ class QuantSpec:
     quantizer: str = "zero_aware"
     """'zero_aware' (default asymmetric with the blended zero-point), 'naive' (grid anchored at
     the group minimum) or 'symmetric' (no zero-point, code -2^(b-1) unused)."""
+    outlier: bool = False
+    """Each group's largest |value| travels as a 16-bit word beside the codes, its code slot
+    holding the marker code; the grid covers the other g-1 values (quant.py)."""
 
     def __post_init__(self) -> None:
         check_int("QuantSpec.bits", self.bits)
+        if not isinstance(self.outlier, bool):
+            raise ConfigTypeError(f"outlier must be True or False, got {self.outlier!r}")
         if self.bits not in (4, 8):
             raise ValueError(f"QuantSpec.bits must be 4 or 8, got {self.bits!r}")
         check_group_size(self.group_size)
@@ -75,8 +80,15 @@ class QuantSpec:
 
     @property
     def levels(self) -> int:
-        """L = 2^b - 1, the top code of the asymmetric grid."""
-        return (1 << self.bits) - 1
+        """L, the top code of the asymmetric grid: 2^b - 1, or 2^b - 2 with an outlier word
+        (the code 2^b - 1 then marks the outlier's slot)."""
+        return (1 << self.bits) - (2 if self.outlier and self.has_zero else 1)
+
+    @property
+    def marker(self) -> int:
+        """The code of an outlier's slot: 2^b - 1 (asymmetric), 0 (symmetric: the offset code
+        of -2^(b-1), which the symmetric grid never uses)."""
+        return (1 << self.bits) - 1 if self.has_zero else 0
 
     @property
     def qmax(self) -> int:
@@ -89,9 +101,9 @@ class QuantSpec:
 
     def packet_bytes(self, n: int) -> int:
         """Wire bytes of n values (n a multiple of group_size): codes + 16-bit scale word
-        (+ fp16 zero)."""
+        (+ fp16 zero) (+ fp16 outlier word)."""
         groups = n // self.group_size
-        return n * self.bits // 8 + groups * 2 * (2 if self.has_zero else 1)
+        return n * self.bits // 8 + groups * 2 * (1 + self.has_zero + self.outlier)
 
 
 PAPER_STATE = dict(a=0.35, beta1=0.7, beta2=0.3, state_dtype="float32")
@@ -108,6 +120,9 @@ class EchoConfig:
     """Values per quantization group (power of two >= 8)."""
     quantizer: str = "zero_aware"
     """Group quantizer policy: 'zero_aware', 'naive' or 'symmetric' (SPEC §3)."""
+    outlier: bool = False
+    """Send each group's largest |value| as a 16-bit word beside the codes (QuantSpec.outlier;
+    +2 bytes per group)."""
     eta: float = 1.0
     """Compensator gain; 0 disables compensation (SPEC §4). The paper uses 0.75; 1.0 (the gain at
     which Theorem 1's bound holds) was chosen by measurement: docs/results/2026-11-29-studies.md."""
@@ -148,6 +163,9 @@ class EchoConfig:
         for name in ("a", "beta1", "beta2"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must lie in [0, 1], got {getattr(self, name)}")
+        if not isinstance(self.outlier, bool):
+            raise ConfigTypeError(f"outlier must be True or False, got {self.outlier!r} "
+                                  f"({type(self.outlier).__name__})")
         if not isinstance(self.grad_scaling, bool):
             raise ConfigTypeError(f"grad_scaling must be True or False, got "
                                   f"{self.grad_scaling!r} ({type(self.grad_scaling).__name__})")
@@ -168,7 +186,7 @@ class EchoConfig:
     def quant_spec(self) -> QuantSpec:
         if not self.quantized:
             raise ValueError("bits=16 has no quantizer")
-        return _quant_spec(self.bits, self.group_size, self.quantizer)
+        return _quant_spec(self.bits, self.group_size, self.quantizer, self.outlier)
 
     def replace(self, **changes) -> "EchoConfig":
         return dataclasses.replace(self, **changes)
@@ -228,8 +246,8 @@ class CompensatorConstants:
 
 
 @functools.lru_cache(maxsize=256)
-def _quant_spec(bits: int, group_size: int, quantizer: str) -> QuantSpec:
-    return QuantSpec(bits=bits, group_size=group_size, quantizer=quantizer)
+def _quant_spec(bits: int, group_size: int, quantizer: str, outlier: bool) -> QuantSpec:
+    return QuantSpec(bits=bits, group_size=group_size, quantizer=quantizer, outlier=outlier)
 
 
 @functools.lru_cache(maxsize=256)

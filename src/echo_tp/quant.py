@@ -43,6 +43,16 @@ Edge cases, defined here once (kernels copy them):
     its elements dequantize to NaN.
 Codes: asymmetric q in [0, L]; symmetric q + 2^(b-1) in [1, 2^b - 1]. At b = 4 element 2t sits in
 the low nibble of byte t and element 2t+1 in the high nibble.
+
+Outlier word (QuantSpec.outlier): each group's largest |value| v (the first index among ties)
+travels as its fp16 value (round to nearest even) in a 16-bit word beside the scale word, and
+its code slot holds the marker code (2^b - 1 asymmetric, where the grid then tops out at
+L = 2^b - 2; 0 symmetric, a code the symmetric grid never uses). lo, hi and so the grid are
+those of the other g - 1 values. A receiver decodes the grid and puts v at the marked slot.
+A group takes no outlier (no marked slot, word 0, the grid over all g values) when v is not an
+fp16 normal value (|v| < 2^-14 or |v| > 65504: fp16 would round it coarser than the grid) or
+the group holds NaN/Inf. Massive activations (one channel of a token 100-1000x the rest) are
+what it is for: with v on the grid, the other values of its group share a step ~|v|/L.
 """
 from __future__ import annotations
 
@@ -69,13 +79,19 @@ NAN_WORD = 0x7E00
 """The scale word of a group holding NaN/Inf: fp16's canonical NaN."""
 
 
+OUTLIER_MIN = 2.0 ** -14
+"""Smallest |v| an outlier word takes: fp16's smallest normal value."""
+
+
 class Packet(NamedTuple):
     """Quantized values, [..., n] -> codes [..., n*b/8] uint8, scale words [..., n/g] (16-bit
-    words held as fp16 bits: read them with `scale_value`), zero [..., n/g] fp16."""
+    words held as fp16 bits: read them with `scale_value`), zero [..., n/g] fp16, outlier
+    [..., n/g] fp16 (QuantSpec.outlier)."""
 
     codes: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor | None
+    outlier: torch.Tensor | None = None
 
 
 def _const(like: torch.Tensor, v: float) -> torch.Tensor:
@@ -144,10 +160,27 @@ def _step(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     return torch.where(s == 0, torch.ones_like(s), s)
 
 
-def group_params(xg: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """xg fp32 [..., G, g] -> (scale words [..., G] (fp16 bits), zero fp16 [..., G] or None)."""
-    lo = xg.amin(dim=-1)
-    hi = xg.amax(dim=-1)
+def outlier_slots(xg: torch.Tensor) -> torch.Tensor:
+    """xg fp32 [..., G, g] -> bool [..., G, g]: each group's outlier slot (module docstring:
+    the first largest |value|, where that value is an fp16 normal and the group finite)."""
+    a = xg.abs()
+    idx = a.argmax(dim=-1, keepdim=True)      # first index of the max (NaN groups: ignored)
+    v = a.gather(-1, idx)
+    finite = torch.isfinite(xg).all(dim=-1, keepdim=True)
+    ok = finite & (v >= OUTLIER_MIN) & (v <= FP16_MAX)
+    return torch.zeros_like(xg, dtype=torch.bool).scatter_(-1, idx, ok)
+
+
+def group_params(xg: torch.Tensor, spec: QuantSpec, slots: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """xg fp32 [..., G, g] -> (scale words [..., G] (fp16 bits), zero fp16 [..., G] or None);
+    slots (bool [..., G, g], outlier_slots): values left out of lo and hi."""
+    if slots is None:
+        lo = xg.amin(dim=-1)
+        hi = xg.amax(dim=-1)
+    else:
+        lo = torch.where(slots, torch.full_like(xg, float("inf")), xg).amin(dim=-1)
+        hi = torch.where(slots, torch.full_like(xg, float("-inf")), xg).amax(dim=-1)
     finite = torch.isfinite(lo) & torch.isfinite(hi)
     s = torch.where(finite, _step(lo, hi, spec), torch.ones_like(lo))
     sw = scale_word(s, finite)
@@ -211,11 +244,18 @@ def _as_groups(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
 def encode(x: torch.Tensor, spec: QuantSpec) -> Packet:
     """x [..., n] (n a multiple of g, any float dtype) -> Packet."""
     xg = _as_groups(x, spec)
-    scale, zero = group_params(xg, spec)
-    codes = quantize_groups(xg, scale, zero, spec).flatten(-2)
+    slots = outlier_slots(xg) if spec.outlier else None
+    scale, zero = group_params(xg, spec, slots)
+    codes = quantize_groups(xg, scale, zero, spec)
+    outlier = None
+    if slots is not None:
+        codes = torch.where(slots, torch.full_like(codes, spec.marker), codes)
+        v = torch.where(slots, xg, torch.zeros_like(xg)).sum(dim=-1)   # the one value, or 0
+        outlier = v.to(torch.float16)
+    codes = codes.flatten(-2)
     if spec.bits == 4:
         codes = pack4(codes)
-    return Packet(codes, scale, zero)
+    return Packet(codes, scale, zero, outlier)
 
 
 def decode(packet: Packet, spec: QuantSpec) -> torch.Tensor:
@@ -223,7 +263,11 @@ def decode(packet: Packet, spec: QuantSpec) -> torch.Tensor:
     codes = unpack4(packet.codes) if spec.bits == 4 else packet.codes
     groups = packet.scale.shape[-1]
     codes = codes.reshape(*codes.shape[:-1], groups, spec.group_size)
-    return dequantize_groups(codes, packet.scale, packet.zero, spec).flatten(-2)
+    y = dequantize_groups(codes, packet.scale, packet.zero, spec)
+    if spec.outlier:
+        v = packet.outlier.to(torch.float32).unsqueeze(-1)
+        y = torch.where(codes == spec.marker, v.expand_as(y), y)
+    return y.flatten(-2)
 
 
 def quant_dequant(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
@@ -252,10 +296,12 @@ def packet_nbytes(n: int, spec: QuantSpec) -> int:
 
 
 def to_bytes(p: Packet) -> torch.Tensor:
-    """Packet with leading dims [...] -> uint8 [..., nbytes]: codes | scale bytes | zero bytes."""
+    """Packet with leading dims [...] -> uint8 [..., nbytes]: codes | scale bytes | zero bytes
+    | outlier bytes."""
     parts = [p.codes, p.scale.contiguous().view(torch.uint8)]
-    if p.zero is not None:
-        parts.append(p.zero.contiguous().view(torch.uint8))
+    for words in (p.zero, p.outlier):
+        if words is not None:
+            parts.append(words.contiguous().view(torch.uint8))
     return torch.cat(parts, dim=-1)
 
 
@@ -265,10 +311,14 @@ def from_bytes(buf: torch.Tensor, n: int, spec: QuantSpec) -> Packet:
     groups = n // spec.group_size
     codes = buf[..., :ncode]
     scale = _words(buf[..., ncode:ncode + 2 * groups])
-    zero = None
+    zero = outlier = None
+    at = ncode + 2 * groups
     if spec.has_zero:
-        zero = _words(buf[..., ncode + 2 * groups:ncode + 4 * groups])
-    return Packet(codes, scale, zero)
+        zero = _words(buf[..., at:at + 2 * groups])
+        at += 2 * groups
+    if spec.outlier:
+        outlier = _words(buf[..., at:at + 2 * groups])
+    return Packet(codes, scale, zero, outlier)
 
 
 def _words(b: torch.Tensor) -> torch.Tensor:

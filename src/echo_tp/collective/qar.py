@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from .. import quant
 from ..compensator import CompState, apply_correction, correction, output_residual, update_
 from ..config import CompensatorConstants, EchoConfig, QuantSpec
+from ..kernels.fits import spec_unfit
 
 GRAD_SCALE_TARGET = 2.0 ** 12
 """Backward scaling: the group-wide max |x'| is brought to [2^11, 2^12) by a power of two."""
@@ -85,6 +86,12 @@ def codec_for(x: torch.Tensor):
     return quant
 
 
+def codec_of(x: torch.Tensor, spec: QuantSpec):
+    """codec_for(x), or the torch reference where the kernels do not take the spec
+    (kernels/fits.spec_unfit)."""
+    return quant if spec_unfit(spec) is not None else codec_for(x)
+
+
 def scatter_sum(xpad: torch.Tensor, spec: QuantSpec, t: Transport,
                 codec) -> tuple[torch.Tensor, torch.Tensor]:
     """QAR steps 1-2, a quantized reduce-scatter. xpad fp32 [*B, P, seg] (segment j for owner j,
@@ -122,7 +129,7 @@ def gather_decode(v: torch.Tensor, spec: QuantSpec, t: Transport, codec) -> torc
 def qar(xq: torch.Tensor, spec: QuantSpec, t: Transport, codec=None) -> QAROut:
     """xq fp32 [*B, N] -> QAROut. Each element is quantized at most twice.
     codec: quant (the reference) or kernels.quant_kernels; default codec_for(xq)."""
-    codec = codec or codec_for(xq)
+    codec = codec or codec_of(xq, spec)
     P = t.world_size
     n = xq.shape[-1]
     seg = segment_len(n, P, spec.group_size)

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from .. import quant
 from ..compensator import CompState, apply_correction, correction, update_
 from ..config import CompensatorConstants, EchoConfig
-from .qar import Transport, codec_for, gather_decode, grad_scale, scatter_sum
+from .qar import Transport, codec_of, gather_decode, grad_scale, scatter_sum
 
 
 def chunk_len(numel: int, world_size: int) -> int:
@@ -80,7 +80,7 @@ def compensated_reduce_scatter(x: torch.Tensor, cfg: EchoConfig, t: Transport, *
     xp, f, k = _apply(x, cfg, t, state, backward)
     xs = xp if f is None else xp * f
     xpad = F.pad(xs.reshape(*batch, P, m), (0, seg - m))                # [*B, P, seg]
-    acc, sent_err = scatter_sum(xpad, spec, t, codec or codec_for(xpad))
+    acc, sent_err = scatter_sum(xpad, spec, t, codec or codec_of(xpad, spec))
     inv = None if f is None else 1.0 / f                                 # exact: 2^-e
     acc = acc[..., :m]
     y = quant.saturate(acc if inv is None else acc * inv, x.dtype)      # [*B, m]
@@ -109,7 +109,7 @@ def compensated_all_gather(x: torch.Tensor, cfg: EchoConfig, t: Transport, *,
     xp, f, k = _apply(x, cfg, t, state, backward)
     xs = xp if f is None else xp * f
     xpad = F.pad(xs, (0, seg - m))                                       # [*B, seg]
-    y32 = gather_decode(xpad, spec, t, codec or codec_for(xpad))[..., :m]   # [*B, P, m]
+    y32 = gather_decode(xpad, spec, t, codec or codec_of(xpad, spec))[..., :m]   # [*B, P, m]
     inv = None if f is None else (1.0 / f).unsqueeze(-1)
     if state is not None:
         err = xs - t.own(y32)                                            # [*B, m]

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..compensator import CompState
-from ..config import DTYPES, KINDS, EchoConfig
+from ..config import DTYPES, KINDS, EchoConfig, QuantSpec
 
 HALVES = KINDS[1:]
 """The two halves of the all-reduce (sequence parallelism)."""
@@ -47,10 +47,21 @@ def tensor_unfit(x: torch.Tensor, device: torch.device | None = None) -> str | N
     return None
 
 
+def spec_unfit(spec: QuantSpec) -> str | None:
+    """Why the Triton quantizer (quant_kernels) and the stage kernels cannot take a packet of
+    spec (None: they can)."""
+    if spec.outlier:
+        return "outlier words are in the torch reference only (quant.py)"
+    return None
+
+
 def config_unfit(cfg: EchoConfig) -> str | None:
     """Why the quantized kernels cannot run a call of cfg (None: they can)."""
     if cfg.bits not in (4, 8):
         return f"bits={cfg.bits} is the plain all-reduce"
+    why = spec_unfit(cfg.quant_spec())
+    if why is not None:
+        return why
     if cfg.compensated and cfg.state_dtype not in STATE_DTYPES:
         return f"state_dtype {cfg.state_dtype!r} (the kernels keep fp32 or bf16 state)"
     return None
