@@ -60,7 +60,8 @@ COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention
 LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0,
                    high_freq_factor=4.0, original_max_position_embeddings=64)
 LOGIT_ATOL, GRAD_ATOL, GRAD_RTOL = 1e-5, 2e-6, 1e-4
-REAL_QUANT = {"llama3": "config", "phi3": "config", "qwen3_moe": "early8"}  # family -> policy
+REAL_QUANT = {"llama3": "config", "phi3": "config", "qwen3_moe": "early8",
+              "gemma3": "config"}  # family -> policy (gemma3: its post-norm sites' maps)
 
 
 def family_config(name: str, **over):

@@ -50,10 +50,11 @@ from .agreement import Agreement, check_same_config
 from .collective.dispatch import Dispatcher, TransportBackend, build_dispatcher
 from .collective.reference import group_wait_s
 from .collective.simulated import SimTransport
-from .compensator import PassState
+from .compensator import NormOutput, PassState
 from .config import DIRECTIONS, DTYPES, KINDS, EchoConfig, check_bits
 from .guard import OneThread
 from .halves import half_view
+from .mapped import run_mapped
 from .norm import add_rmsnorm, check_add_rmsnorm, rmsnorm
 from .telemetry import Telemetry
 
@@ -178,14 +179,17 @@ class EchoCommunicator:
         return cfg
 
     def all_reduce(self, x: torch.Tensor, *, direction: str = "forward",
-                   bits: int | None = None, inplace: bool = False) -> torch.Tensor:
+                   bits: int | None = None, inplace: bool = False,
+                   output_map: NormOutput | None = None) -> torch.Tensor:
         """Sum of x over the group (x's shape and dtype), with Echo compensation.
 
         `bits` overrides the config's width for this site (per-site policies). `inplace=True`
         lets a plain (16-bit) all-reduce reuse x's storage (saves a copy; the caller must not
-        need x afterwards); quantized calls always return a new tensor."""
+        need x afterwards); quantized calls always return a new tensor. `output_map`: the
+        norm the sum passes before it reaches the residual stream (compensator.NormOutput; a
+        forward site of a post-norm model), so error feedback works in the stream's units."""
         with self.guard.entered("all_reduce"):
-            return self._all_reduce(x, direction, bits, inplace).out
+            return self._all_reduce(x, direction, bits, inplace, output_map=output_map).out
 
     def reduce_scatter(self, x: torch.Tensor, *, dim: int = 0, direction: str = "forward",
                        bits: int | None = None, compensate: bool = True) -> torch.Tensor:
@@ -260,8 +264,8 @@ class EchoCommunicator:
             return rmsnorm(r.out, weight, eps), r.out
         return add_rmsnorm(r.out, residual.contiguous(), weight, eps)
 
-    def _all_reduce(self, x, direction, bits, inplace, boundary: Boundary | None = None
-                    ) -> Reduced:
+    def _all_reduce(self, x, direction, bits, inplace, boundary: Boundary | None = None,
+                    output_map: NormOutput | None = None) -> Reduced:
         """The all-reduce of x; with a boundary, what of it the call's backend runs too
         (Reduced.form; Dispatcher.adds_residual, Dispatcher.run_boundary)."""
         _check_direction(direction)
@@ -285,12 +289,14 @@ class EchoCommunicator:
             if done is not None:
                 return Reduced(tuple(t.reshape(x.shape) for t in done), "normed")
         added = boundary is not None and not record and self.dispatcher.adds_residual(flat, cfg)
+        residual = boundary.residual.reshape(flat.shape).contiguous() if added else None
+        run = self.dispatcher.run
+        if output_map is not None and state is not None and direction == "forward":
+            run = functools.partial(run_mapped, run, omap=output_map,
+                                    world_size=self.world_size)
         with self.agreement.in_band(inband, flat, cfg, direction, "all_reduce"):
-            y, rec = self.dispatcher.run(flat, cfg, state=state,
-                                         backward=direction == "backward", record=record,
-                                         inplace=inplace,
-                                         residual=boundary.residual.reshape(flat.shape)
-                                         .contiguous() if added else None)
+            y, rec = run(flat, cfg, state=state, backward=direction == "backward",
+                         record=record, inplace=inplace, residual=residual)
         if self.telemetry is not None:
             self.telemetry.record(direction=direction, site=site, bits=cfg.bits, x=flat, y=y,
                                   rec=rec, simulated=self.simulated)

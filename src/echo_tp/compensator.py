@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import CompensatorConstants, EchoConfig
+from .norm_reference import row_sum
 from .quant import clamp_finite, saturate
 
 
@@ -139,3 +140,70 @@ def mean_age(cfg: EchoConfig, terms: int = 4096) -> float:
     """mu_w = sum_r r * w_r: the source bound at eta = 1 is (1 + mu_w) * q (Theorem 1)."""
     w = correction_weights(cfg, terms)
     return float((torch.arange(terms, dtype=torch.float64) * w).sum())
+
+
+# ----- sites whose output reaches the residual stream through a norm -----
+
+@dataclass(frozen=True, eq=False)
+class NormOutput:
+    """A forward site whose reduced output y [rows, H] reaches the residual stream as an RMS
+    norm of it, gain * y / rms(y) (the 'post-norms' of Gemma 2/3 and OLMo 2), instead of y itself.
+
+    Error feedback carries each site's error into the next site's all-reduce. In pre-norm
+    models both land on the residual stream as they are, so the next site cancels the error
+    with its own value. Behind a norm they do not: an error d in y moves the stream by
+    J(y) d = gain / r * (d - y^ mean(y^ d)) (r = rms(y), y^ = y / r, per row), and the sites'
+    gains and rms differ by orders of magnitude (Gemma-3-270M: gains -0.1..740, attention
+    outputs 5-27x the MLP's), so a correction fed back in site units lands with the wrong scale
+    and feedback diverges. With a NormOutput the state holds residual-stream units instead:
+
+        c_site = to_site(c)            # c = eta (a m1 + (1-a) m2), residual units
+        y      = QAR(x + c_site)       # u: this rank's own rounding errors, site units
+        m      <- beta m + (1-beta) J(y) u
+
+    to_site(c) = c * r^ * gain / (gain^2 + (FLOOR * rms(gain))^2): r^ = sqrt(P) * rms(x_i) per
+    row estimates the rms of the sum before it exists (each rank from its own partial; the
+    state update uses the true y), and the floor keeps channels whose gain is ~0 from taking an
+    unbounded share. Pre-norm sites (no map) keep the plain update, bit for bit.
+
+    gain [H] fp32: the norm's output for a row of ones times sqrt(1 + eps) (any RMS-type norm:
+    `from_module`)."""
+
+    gain: torch.Tensor
+    eps: float
+
+    FLOOR = 0.1
+    """Gains below this fraction of their rms take a damped share of a correction."""
+
+    @classmethod
+    @torch.no_grad()
+    def from_module(cls, norm: torch.nn.Module, hidden: int) -> "NormOutput":
+        """The map of an RMS-type norm module (its own forward on a row of ones)."""
+        eps = float(getattr(norm, "eps", getattr(norm, "variance_epsilon", 1e-6)))
+        p = next(norm.parameters(), None)
+        ones = torch.ones(1, hidden, device=p.device if p is not None else "cpu",
+                          dtype=p.dtype if p is not None else torch.float32)
+        out = norm(ones).float().reshape(hidden) * float((1.0 + eps) ** 0.5)
+        return cls(gain=out.contiguous(), eps=eps)
+
+    def _rows(self, t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(*t.shape[:-1], -1, self.gain.shape[0])
+
+    def tangent(self, y: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        """y, d fp32 [..., rows*H] -> J(y) d [..., rows*H] fp32 (the module docstring)."""
+        yr, dr = self._rows(y), self._rows(d)
+        h = yr.new_tensor(float(yr.shape[-1]))
+        r = torch.sqrt(row_sum(yr * yr) / h + yr.new_tensor(self.eps))
+        yh = yr / r
+        out = (self.gain / r) * (dr - yh * (row_sum(yh * dr) / h))
+        return out.reshape(d.shape)
+
+    def to_site(self, c: torch.Tensor, x: torch.Tensor, world_size: int) -> torch.Tensor:
+        """c fp32 residual units, x this rank's partial, [..., rows*H] -> c in site units."""
+        cr, xr = self._rows(c), self._rows(x.to(torch.float32))
+        h = xr.new_tensor(float(xr.shape[-1]))
+        rhat = torch.sqrt(row_sum(xr * xr) / h * xr.new_tensor(float(world_size)))
+        g = self.gain
+        floor = (self.FLOOR ** 2) * (g * g).mean()
+        out = cr * rhat * (g / (g * g + floor))
+        return torch.where(torch.isfinite(out), out, torch.zeros_like(out)).reshape(c.shape)

@@ -15,12 +15,18 @@ MAX_HIDDEN = 1 << 16
 
 def sum_of_squares(v: torch.Tensor) -> torch.Tensor:
     """v fp32 [..., H] -> [..., 1]: the sum of v^2 in the fixed order above."""
+    return row_sum(v * v)
+
+
+def row_sum(v: torch.Tensor) -> torch.Tensor:
+    """v fp32 [..., H] -> [..., 1]: the sum of each row in the fixed order above (the same bits
+    whatever the leading dims: simulated ranks [P, ...] and a real rank's [...] agree)."""
     h = v.shape[-1]
     if h == 0:                                    # an empty row: its sum is 0
         return v.new_zeros(*v.shape[:-1], 1)
     pad = (-h) % LANES
-    sq = torch.nn.functional.pad(v * v, (0, pad)).reshape(*v.shape[:-1], (h + pad) // LANES,
-                                                          LANES)
+    sq = torch.nn.functional.pad(v, (0, pad)).reshape(*v.shape[:-1], (h + pad) // LANES,
+                                                      LANES)
     acc = sq[..., 0, :]
     for c in range(1, sq.shape[-2]):
         acc = acc + sq[..., c, :]

@@ -39,7 +39,7 @@ from torch import nn
 from echo_tp.tp.parallelize import parallelize
 
 from .boundaries import fuse_hf_boundaries
-from .plan import head_layout, hf_plan
+from .plan import head_layout, hf_plan, output_norms
 
 
 def parallelize_hf(model: nn.Module, comm, rank: int | None = None, *, policy=None,
@@ -62,6 +62,7 @@ def parallelize_hf(model: nn.Module, comm, rank: int | None = None, *, policy=No
     parallelize(model, comm, rank, policy=policy, plan=table, layout=head_layout(model),
                 n_layers=len(layers), pass_root=base, split_cache=split_cache,
                 sequence_parallel=sequence_parallel)
+    model.echo_tp.output_norms.update(output_norms(model))
     if not model.echo_tp.sequence_parallel and comm.world_size > 1:
         fuse_hf_boundaries(base, model.echo_tp.simulated)
     return model

@@ -55,6 +55,33 @@ HEAD_UNITS = {"q_proj": "q_head", "k_proj": "kv_head", "v_proj": "kv_head", "o_p
 PACKED_2 = ("row", "row")
 
 
+OUTPUT_NORMS = {
+    "gemma2": ("post_attention_layernorm", "post_feedforward_layernorm"),
+    "gemma3": ("post_attention_layernorm", "post_feedforward_layernorm"),
+    "gemma3_text": ("post_attention_layernorm", "post_feedforward_layernorm"),
+    "olmo2": ("post_attention_layernorm", "post_feedforward_layernorm"),
+}
+"""Families whose decoder layer norms each block's output before the residual add ('post-
+norms'): model_type -> the layer's (attention output norm, MLP output norm) attributes."""
+
+
+def output_norms(model: nn.Module) -> dict[int, nn.Module]:
+    """Static forward site (2l: layer l's attention, 2l+1: its MLP) -> the norm module its
+    all-reduced output passes before the residual add; {} for pre-norm families."""
+    names = OUTPUT_NORMS.get(getattr(text_config(model), "model_type", None))
+    if names is None:
+        return {}
+    out = {}
+    for i, layer in enumerate(model.base_model.layers):
+        for slot, attr in enumerate(names):
+            norm = getattr(layer, attr, None)
+            if norm is None:
+                raise ValueError(f"{type(layer).__name__} has no {attr}, which its family's "
+                                 "output-norm entry (hf/plan.OUTPUT_NORMS) names")
+            out[2 * i + slot] = norm
+    return out
+
+
 def text_config(model: nn.Module):
     config = getattr(model, "config", None)
     if config is None:

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from echo_tp.compensator import NormOutput
 from echo_tp.models.config import ModelConfig
 from echo_tp.norm import add_rmsnorm
 
@@ -87,6 +88,10 @@ class TPContext:
     """sim_path 'batched': the reasons blocks ran shard by shard (each logged once)."""
     param_slots: dict = field(default_factory=dict)
     """rank (None: a real rank) -> where its parameters live (tp.rank_parameters' lookup)."""
+    output_norms: dict = field(default_factory=dict)
+    """static forward site -> the norm module its sum passes before the residual add
+    (post-norm models: hf/plan.output_norms); error feedback there works in the residual
+    stream's units (compensator.NormOutput)."""
 
     @property
     def simulated(self) -> bool:
@@ -110,8 +115,10 @@ class Site:
     def forward_reduce(self, partial: torch.Tensor) -> torch.Tensor:
         # the partial (a row-parallel matmul output) is dead after the sum: outside autograd a
         # plain all-reduce may reuse its storage
+        norm = self.tp.output_norms.get(self.index)
+        omap = None if norm is None else NormOutput.from_module(norm, partial.shape[-1])
         return self.tp.comm.all_reduce(partial, direction="forward", bits=self.tp.bits(self.index),
-                                       inplace=not partial.requires_grad)
+                                       inplace=not partial.requires_grad, output_map=omap)
 
     def forward_reduce_add_norm(self, partial, residual, weight, eps):
         """A block boundary: (normed, residual + all_reduce(partial)), comm.all_reduce_add_rmsnorm
