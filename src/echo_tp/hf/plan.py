@@ -48,8 +48,12 @@ ATTENTION_BLOCKS = ("self_attn", "attn", "attention", "self_attention")
 MLP_BLOCKS = ("mlp", "feed_forward", "block_sparse_moe", "moe")
 GATHER_COLWISE = ("colwise_gather_output", "colwise_rep")
 SPLIT_ROWWISE = ("rowwise_split_input", "rowwise_rep")
+REPLICATED = ("replicate", "embedding_rowwise")
+"""Plan styles echo-tp keeps whole on every rank: 'embedding_rowwise' (a vocab-parallel
+embedding, in some transformers releases' Gemma 3 plan) stays a replicated embedding, as in
+the families whose plans leave the embedding out: no all-reduce before the first block."""
 SUPPORTED = ("colwise", "rowwise", "packed_colwise", *GATHER_COLWISE, *SPLIT_ROWWISE,
-             "replicated_with_grad_allreduce", "moe_tp_experts", "replicate")
+             "replicated_with_grad_allreduce", "moe_tp_experts", *REPLICATED)
 HEAD_UNITS = {"q_proj": "q_head", "k_proj": "kv_head", "v_proj": "kv_head", "o_proj": "q_head",
               "qkv_proj": ("q_head", "kv_head", "kv_head")}
 PACKED_2 = ("row", "row")
@@ -161,7 +165,7 @@ def hf_plan(model: nn.Module, plan: dict[str, str] | None = None) -> dict[str, o
     blocks: dict[str, int] = {}
     gathered = {_block_of(k)[0] for k, v in full.items() if v in GATHER_COLWISE}
     for key, style in full.items():
-        if style == "replicate":
+        if style in REPLICATED:
             continue
         module_name = _first_match(key, modules)
         param_name = None if module_name else _first_match(key, params)
