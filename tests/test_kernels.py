@@ -36,7 +36,7 @@ import time
 import pytest
 import torch
 from harness import (assert_bits_equal, edge_input, extreme_groups, interpret_kernels,
-                     two_timescale)
+                     outlier_groups, two_timescale)
 
 interpret_kernels()                   # before triton.jit decorates anything
 pytest.importorskip("triton")
@@ -94,12 +94,13 @@ def adversarial(rows: int, groups: int, g: int, dtype, seed: int, nonfinite: boo
     return x.reshape(rows, groups * g).to(dtype)
 
 
+@pytest.mark.parametrize("outlier", [False, True], ids=["plain", "outlier"])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("quantizer", ["zero_aware", "naive", "symmetric"])
 @pytest.mark.parametrize("g", [8, 128, 256])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_encode_decode_bit_exact(bits, quantizer, g, dtype):
-    spec = QuantSpec(bits=bits, group_size=g, quantizer=quantizer)
+def test_encode_decode_bit_exact(bits, quantizer, g, dtype, outlier):
+    spec = QuantSpec(bits=bits, group_size=g, quantizer=quantizer, outlier=outlier)
     for seed, (rows, groups) in enumerate([(3, 7), (1, 13), (2, 4)]):
         x = adversarial(rows, groups, g, dtype, seed=1000 * bits + 10 * g + seed)
         got, want = qk.encode(x, spec), quant.encode(x, spec)
@@ -107,7 +108,8 @@ def test_encode_decode_bit_exact(bits, quantizer, g, dtype):
 
 
 def assert_packets_equal(got, want, spec, what):
-    """Codes, scale words (int16: strict, the NaN word included), zeros and decoded values."""
+    """Codes, scale words (int16: strict, the NaN word included), zeros, outlier words (int16:
+    strict) and decoded values."""
     assert_bits_equal(got.codes, want.codes, f"codes {what}")
     assert_bits_equal(got.scale.view(torch.int16), want.scale.view(torch.int16),
                       f"scale words {what}")
@@ -115,6 +117,11 @@ def assert_packets_equal(got, want, spec, what):
         assert_bits_equal(got.zero, want.zero, f"zero {what}")
     else:
         assert got.zero is None
+    if spec.outlier:
+        assert_bits_equal(got.outlier.view(torch.int16), want.outlier.view(torch.int16),
+                          f"outlier words {what}")
+    else:
+        assert got.outlier is None
     assert_bits_equal(qk.decode(got, spec), quant.decode(want, spec), f"decoded {what}")
 
 
@@ -122,9 +129,31 @@ def assert_packets_equal(got, want, spec, what):
 @pytest.mark.parametrize("quantizer", ["zero_aware", "naive", "symmetric"])
 @pytest.mark.parametrize("g", [8, 128])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_encode_decode_bit_exact_at_every_scale(bits, quantizer, g, dtype):
-    """Issue 15 item 2: both scale-word forms, saturating decodes, the fp32-overflowing width."""
-    spec = QuantSpec(bits=bits, group_size=g, quantizer=quantizer)
+def test_outlier_encode_decode_bit_exact(bits, quantizer, g, dtype):
+    """The outlier word (QuantSpec.outlier) on its own cases (harness.outlier_groups: massive
+    values, ties of the largest |value| with equal and opposite signs, largest values at and
+    just past fp16's normal range, fp16 rounding ties, massive values over constant or zero
+    rests, constant / zero / -0.0 / wide groups, NaN and Inf beside a massive value): the
+    packet bit for bit with quant.encode, the decode with quant.decode, and both decoders of
+    each other's packets."""
+    spec = QuantSpec(bits=bits, group_size=g, quantizer=quantizer, outlier=True)
+    for seed, (rows, groups) in enumerate([(4, 16), (3, 11)]):
+        x = outlier_groups(rows, groups, g, dtype, seed=7000 + 100 * bits + g + seed)
+        got, want = qk.encode(x, spec), quant.encode(x, spec)
+        assert_packets_equal(got, want, spec, f"seed={seed}")
+        assert_bits_equal(quant.decode(got, spec), qk.decode(want, spec), f"cross seed={seed}")
+        assert bool((want.outlier != 0).any()) and bool((want.outlier == 0).any())
+
+
+@pytest.mark.parametrize("outlier", [False, True], ids=["plain", "outlier"])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("quantizer", ["zero_aware", "naive", "symmetric"])
+@pytest.mark.parametrize("g", [8, 128])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_encode_decode_bit_exact_at_every_scale(bits, quantizer, g, dtype, outlier):
+    """Issue 15 item 2: both scale-word forms, saturating decodes, the fp32-overflowing width
+    (with the outlier word: the bound of the whole group's grid at L = 2^b - 2 still holds)."""
+    spec = QuantSpec(bits=bits, group_size=g, quantizer=quantizer, outlier=outlier)
     for seed, (rows, groups) in enumerate([(3, 11), (2, 16)]):
         x = extreme_groups(rows, groups, g, dtype, seed=5000 + 1000 * bits + 10 * g + seed)
         got, want = qk.encode(x, spec), quant.encode(x, spec)
@@ -159,12 +188,18 @@ def test_encode_shapes_and_errors():
     spec = QuantSpec(bits=4, group_size=128)
     x = torch.randn(2, 3, 256)
     p = qk.encode(x, spec)
-    assert p.codes.shape == (2, 3, 128) and p.scale.shape == (2, 3, 2)
+    assert p.codes.shape == (2, 3, 128) and p.scale.shape == (2, 3, 2) and p.outlier is None
     assert qk.decode(p, spec).shape == (2, 3, 256)
     with pytest.raises(ValueError, match="multiple of group_size"):
         qk.encode(torch.randn(100), spec)
     with pytest.raises(ValueError, match="supports"):
         qk.encode(torch.randn(128, dtype=torch.float64), spec)
+    ospec = QuantSpec(bits=4, group_size=128, outlier=True)
+    p = qk.encode(x, ospec)
+    assert p.outlier.shape == (2, 3, 2) and p.outlier.dtype == torch.float16
+    assert qk.decode(p, ospec).shape == (2, 3, 256)
+    with pytest.raises(ValueError, match="outlier words"):
+        qk.decode(p._replace(outlier=None), ospec)
 
 
 # (P, bits, quantizer, residual, dtype, backward): every bits x policy x residual at P=4, the
