@@ -124,12 +124,13 @@ def edge_input(P, n, dtype, call, seed):
 
 def outlier_groups(rows: int, groups: int, g: int, dtype, seed: int, nonfinite: bool = True):
     """[rows, groups*g] groups for the outlier word (quant.py: each group's first largest
-    |value| as fp16 where it is an fp16 normal), one random kind each: a massive value (x30 to
-    x3000) at a random place; tied largest |values| (same sign, or +v and -v); the largest
+    |value| as fp16 where it is an fp16 normal), one random kind each: a massive value (30 to
+    3000) at a random place; tied largest |values| (same sign, or +v and -v); the largest
     |value| at fp16's edges (65504, 2^-14, just past them: 65505, 65519, 2^-14 - ulp, 1e5, 1e-6
-    groups); a largest value halfway between fp16 values (1024.5 + k: round to even); a massive value over a constant
-    or all-zero rest; constant groups, all-zero and -0.0 groups, every |value| equal with
-    random signs, wide groups (1e30); NaN or Inf beside a massive value (nonfinite)."""
+    groups; fp16 inputs stop at 65504); a largest value halfway between two fp16 values
+    (1024.5 + k: round to even); a massive value over a constant or all-zero rest; constant
+    groups, all-zero and -0.0 groups, every |value| equal with random signs, wide groups (1e30,
+    fp16: 1e3), a far-from-zero group; NaN or Inf beside a massive value (nonfinite)."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, groups, g, generator=gen)
     kinds = torch.randint(0, 16 if nonfinite else 14, (rows, groups), generator=gen)
