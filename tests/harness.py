@@ -5,7 +5,8 @@ cache it per module. `bits_differ`: the bit-for-bit comparison every exactness t
 `interpret_kernels`: the Triton kernels on the CPU (TRITON_INTERPRET=1, modules reloaded).
 `two_timescale`: the config the compensator tests run on. `extreme_groups`, `edge_input`: the
 issue-15 inputs (groups at every scale; call sequences with huge groups, sums near the dtype's
-max and NaN/Inf), shared by the interpreted and the GPU kernel tests."""
+max and NaN/Inf), and `outlier_groups` (the outlier word's cases), shared by the interpreted
+and the GPU kernel tests."""
 import importlib
 import os
 import sys
@@ -18,7 +19,7 @@ from echo_tp.launch import run_ranks
 from echo_tp.models import ModelConfig, build_meta_model, init_weights
 
 __all__ = ["run_ranks", "bits_differ", "assert_bits_equal", "interpret_kernels", "two_timescale",
-           "extreme_groups", "edge_input"]
+           "extreme_groups", "edge_input", "outlier_groups"]
 
 KERNEL_MODULES = ("echo_tp.kernels.flags", "echo_tp.kernels.quant_kernels",
                   "echo_tp.kernels.allreduce_kernels", "echo_tp.kernels.launcher",
@@ -119,6 +120,70 @@ def edge_input(P, n, dtype, call, seed):
         x[:, 1::2] *= -1
         x[:, 512:] = ramp[512:] if dtype == torch.float16 else x[:, 512:]
     return x.to(dtype)
+
+
+def outlier_groups(rows: int, groups: int, g: int, dtype, seed: int, nonfinite: bool = True):
+    """[rows, groups*g] groups for the outlier word (quant.py: each group's first largest
+    |value| as fp16 where it is an fp16 normal), one random kind each: a massive value (30 to
+    3000) at a random place; tied largest |values| (same sign, or +v and -v); the largest
+    |value| at fp16's edges (65504, 2^-14, just past them: 65505, 65519, 2^-14 - ulp, 1e5, 1e-6
+    groups; fp16 inputs stop at 65504); a largest value halfway between two fp16 values
+    (1024.5 + k: round to even); a massive value over a constant or all-zero rest; constant
+    groups, all-zero and -0.0 groups, every |value| equal with random signs, wide groups (1e30,
+    fp16: 1e3), a far-from-zero group; NaN or Inf beside a massive value (nonfinite)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, groups, g, generator=gen)
+    kinds = torch.randint(0, 16 if nonfinite else 14, (rows, groups), generator=gen)
+    pos = torch.randint(0, g, (rows, groups, 2), generator=gen)
+    edge = (65504.0, 65505.0, 65519.0, 1e5, 2.0 ** -14, 2.0 ** -14 * (1 - 2.0 ** -24))
+    fp16 = dtype == torch.float16                         # no value past 65504 (no Inf)
+    for r in range(rows):
+        for j in range(groups):
+            k, v, (p, q) = int(kinds[r, j]), x[r, j], pos[r, j].tolist()
+            big = float(torch.rand(1, generator=gen)) * 3000 + 30
+            if k == 0:
+                v[p] = big * (1 if j % 2 else -1)                           # massive
+            elif k == 1:
+                v[p] = v[q] = -big                                          # tie, same sign
+            elif k == 2:
+                v[p], v[q] = big, -big                                      # tie, +v and -v
+            elif k == 3:
+                e = edge[(r + j) % len(edge)]
+                e = min(e, 65504.0) if fp16 else e
+                v.mul_(e * 1e-3 if e > 1 else e * 0.25)
+                v[p] = e if j % 2 else -e                                   # fp16's edges
+            elif k == 4:
+                v.mul_(1e-6)                                                # all below 2^-14
+            elif k == 5:
+                v.copy_(1 + torch.randint(-40, 40, (g,), generator=gen) * 2.0 ** -11)
+                v[p] = 1024.5 + int(torch.randint(0, 4, (), generator=gen))  # fp16: a tie
+            elif k == 6:
+                v.fill_(float(v[0]))
+                v[p] = big                                                  # massive, constant
+            elif k == 7:
+                v.zero_()
+                v[p] = -big                                                 # massive, zeros
+            elif k == 8:
+                v.fill_(float(v[0]) * 3)                                    # constant
+            elif k == 9:
+                v.zero_()
+                if (r + j) % 2:
+                    v.neg_()                                                # -0.0
+            elif k == 10:
+                v.copy_(torch.where(torch.rand(g, generator=gen) < 0.5, 1.5, -1.5))
+            elif k == 11:
+                v.mul_(1e3 if fp16 else 1e30)                               # wide
+            elif k == 12:
+                v.mul_(1e-2).add_(500.0)
+                v[p] = 700.0                                                # far from zero
+            elif k == 14:
+                v[p] = big
+                v[q] = float("nan")
+            elif k == 15:
+                v[p] = big
+                v[q] = float("inf") if j % 2 else -float("inf")
+            # k == 13: randn as it is
+    return x.reshape(rows, groups * g).to(dtype)
 
 
 def perturbed_model(preset: str, over: dict, seed: int) -> torch.nn.Module:

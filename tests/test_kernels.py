@@ -6,17 +6,23 @@ Compared, bit for bit, on fresh random inputs (several seeds):
     values; bits 4/8, all three policies, group sizes 8/128/256, bf16/fp16/fp32 inputs, odd
     group counts, outlier channels, constant / all-zero / far-from-zero / integer / tiny /
     huge groups, NaN and Inf groups; and groups at every scale (issue 15: +-3e6 ramps, 1e30,
-    near fp32 max, 1e-35, fp32 subnormals, huge constants).
+    near fp32 max, 1e-35, fp32 subnormals, huge constants); with and without the outlier word
+    (QuantSpec.outlier: the words compared as int16), and on the outlier word's own cases
+    (harness.outlier_groups: massive values, ties, values at and past fp16's normal range,
+    fp16 rounding ties, NaN/Inf beside a massive value).
   * collective.simulated_fused.SimulatedFused (entry -> reduce -> tail kernels over P per-rank
     buffers, flags included)  vs  collective.qar.compensated_all_reduce over SimTransport:
     y, m1, m2 after consecutive calls; both residual modes, bits 4/8, policies, bf16/fp16/fp32,
     P = 2/3/4, with and without backward power-of-two scaling; and call sequences with huge
     groups, fp16 sums near 65504, values near fp32 max, NaN/Inf inputs followed by clean calls
-    (outputs saturate, the state stays finite: issue 15).
+    (outputs saturate, the state stays finite: issue 15); the outlier word (OUTLIER_CASES:
+    bits 4/8 x the three policies, P = 2/3/4, every input dtype, both residuals and scalings;
+    a tile in steps; the issue-15 sequence), and Layout.packet's views against y.
   * the same kernels with P ranks in P concurrent processes sharing their buffers (as symmetric
     memory does), calls back to back with one rank pushing late and another reducing late: the
     flag protocol must make every wait see its peer's data (a wait that accepts a stale epoch
-    fails this test); two cases with a residual (the kernels write residual + y).
+    fails this test); two cases with a residual (the kernels write residual + y), two with
+    the outlier word (the fused kernel, reduce_tail).
 The block-boundary kernels (residual add in the all-reduce, RMSNorm): tests/test_add_norm.py.
 One tolerance, about bits that carry no value: NaN bit patterns (torch's NaN payload depends on
 the device and on the input NaN), so NaN-ness must match position by position. Zero-points are
@@ -27,7 +33,10 @@ quant.py's docstring (the edge-case rules) against quant_kernels._group_params; 
 is not tl.math.div_rn (Triton's `/` is approximate); an FMA (every launch passes
 LAUNCH_OPTS = enable_fp_fusion=False); the interpreter's own casts (fp32 -> bf16 truncates under
 TRITON_INTERPRET, which is why the kernels cast bf16 by bit arithmetic). For the fused test:
-the rank-order sum in reduce_kernel and the residual formulas in qar._local_residual.
+the rank-order sum in reduce_kernel and the residual formulas in qar._local_residual. Only
+with the outlier word: quant_kernels._outlier_slots (the first index, the sign, fp16's range),
+_put_outlier / _decode_regs (where the word is put back), allreduce_kernels._outlier_off
+against Layout.outlier_off.
 """
 from __future__ import annotations
 
@@ -36,7 +45,7 @@ import time
 import pytest
 import torch
 from harness import (assert_bits_equal, edge_input, extreme_groups, interpret_kernels,
-                     two_timescale)
+                     outlier_groups, two_timescale)
 
 interpret_kernels()                   # before triton.jit decorates anything
 pytest.importorskip("triton")
@@ -47,7 +56,7 @@ from echo_tp import quant  # noqa: E402
 from echo_tp.collective.qar import compensated_all_reduce  # noqa: E402
 from echo_tp.collective.simulated import SimTransport  # noqa: E402
 from echo_tp.compensator import CompState  # noqa: E402
-from echo_tp.config import QuantSpec  # noqa: E402
+from echo_tp.config import EchoConfig, QuantSpec  # noqa: E402
 from echo_tp.kernels import allreduce_kernels as ak  # noqa: E402
 from echo_tp.kernels import allreduce_plan as ap  # noqa: E402
 from echo_tp.kernels import quant_kernels as qk  # noqa: E402
@@ -94,12 +103,13 @@ def adversarial(rows: int, groups: int, g: int, dtype, seed: int, nonfinite: boo
     return x.reshape(rows, groups * g).to(dtype)
 
 
+@pytest.mark.parametrize("outlier", [False, True], ids=["plain", "outlier"])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("quantizer", ["zero_aware", "naive", "symmetric"])
 @pytest.mark.parametrize("g", [8, 128, 256])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_encode_decode_bit_exact(bits, quantizer, g, dtype):
-    spec = QuantSpec(bits=bits, group_size=g, quantizer=quantizer)
+def test_encode_decode_bit_exact(bits, quantizer, g, dtype, outlier):
+    spec = QuantSpec(bits=bits, group_size=g, quantizer=quantizer, outlier=outlier)
     for seed, (rows, groups) in enumerate([(3, 7), (1, 13), (2, 4)]):
         x = adversarial(rows, groups, g, dtype, seed=1000 * bits + 10 * g + seed)
         got, want = qk.encode(x, spec), quant.encode(x, spec)
@@ -107,7 +117,8 @@ def test_encode_decode_bit_exact(bits, quantizer, g, dtype):
 
 
 def assert_packets_equal(got, want, spec, what):
-    """Codes, scale words (int16: strict, the NaN word included), zeros and decoded values."""
+    """Codes, scale words (int16: strict, the NaN word included), zeros, outlier words (int16:
+    strict) and decoded values."""
     assert_bits_equal(got.codes, want.codes, f"codes {what}")
     assert_bits_equal(got.scale.view(torch.int16), want.scale.view(torch.int16),
                       f"scale words {what}")
@@ -115,6 +126,11 @@ def assert_packets_equal(got, want, spec, what):
         assert_bits_equal(got.zero, want.zero, f"zero {what}")
     else:
         assert got.zero is None
+    if spec.outlier:
+        assert_bits_equal(got.outlier.view(torch.int16), want.outlier.view(torch.int16),
+                          f"outlier words {what}")
+    else:
+        assert got.outlier is None
     assert_bits_equal(qk.decode(got, spec), quant.decode(want, spec), f"decoded {what}")
 
 
@@ -122,9 +138,31 @@ def assert_packets_equal(got, want, spec, what):
 @pytest.mark.parametrize("quantizer", ["zero_aware", "naive", "symmetric"])
 @pytest.mark.parametrize("g", [8, 128])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_encode_decode_bit_exact_at_every_scale(bits, quantizer, g, dtype):
-    """Issue 15 item 2: both scale-word forms, saturating decodes, the fp32-overflowing width."""
-    spec = QuantSpec(bits=bits, group_size=g, quantizer=quantizer)
+def test_outlier_encode_decode_bit_exact(bits, quantizer, g, dtype):
+    """The outlier word (QuantSpec.outlier) on its own cases (harness.outlier_groups: massive
+    values, ties of the largest |value| with equal and opposite signs, largest values at and
+    just past fp16's normal range, fp16 rounding ties, massive values over constant or zero
+    rests, constant / zero / -0.0 / wide groups, NaN and Inf beside a massive value): the
+    packet bit for bit with quant.encode, the decode with quant.decode, and both decoders of
+    each other's packets."""
+    spec = QuantSpec(bits=bits, group_size=g, quantizer=quantizer, outlier=True)
+    for seed, (rows, groups) in enumerate([(4, 16), (3, 11)]):
+        x = outlier_groups(rows, groups, g, dtype, seed=7000 + 100 * bits + g + seed)
+        got, want = qk.encode(x, spec), quant.encode(x, spec)
+        assert_packets_equal(got, want, spec, f"seed={seed}")
+        assert_bits_equal(quant.decode(got, spec), qk.decode(want, spec), f"cross seed={seed}")
+        assert bool((want.outlier != 0).any()) and bool((want.outlier == 0).any())
+
+
+@pytest.mark.parametrize("outlier", [False, True], ids=["plain", "outlier"])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("quantizer", ["zero_aware", "naive", "symmetric"])
+@pytest.mark.parametrize("g", [8, 128])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_encode_decode_bit_exact_at_every_scale(bits, quantizer, g, dtype, outlier):
+    """Issue 15 item 2: both scale-word forms, saturating decodes, the fp32-overflowing width
+    (with the outlier word: the bound of the whole group's grid at L = 2^b - 2 still holds)."""
+    spec = QuantSpec(bits=bits, group_size=g, quantizer=quantizer, outlier=outlier)
     for seed, (rows, groups) in enumerate([(3, 11), (2, 16)]):
         x = extreme_groups(rows, groups, g, dtype, seed=5000 + 1000 * bits + 10 * g + seed)
         got, want = qk.encode(x, spec), quant.encode(x, spec)
@@ -159,12 +197,18 @@ def test_encode_shapes_and_errors():
     spec = QuantSpec(bits=4, group_size=128)
     x = torch.randn(2, 3, 256)
     p = qk.encode(x, spec)
-    assert p.codes.shape == (2, 3, 128) and p.scale.shape == (2, 3, 2)
+    assert p.codes.shape == (2, 3, 128) and p.scale.shape == (2, 3, 2) and p.outlier is None
     assert qk.decode(p, spec).shape == (2, 3, 256)
     with pytest.raises(ValueError, match="multiple of group_size"):
         qk.encode(torch.randn(100), spec)
     with pytest.raises(ValueError, match="supports"):
         qk.encode(torch.randn(128, dtype=torch.float64), spec)
+    ospec = QuantSpec(bits=4, group_size=128, outlier=True)
+    p = qk.encode(x, ospec)
+    assert p.outlier.shape == (2, 3, 2) and p.outlier.dtype == torch.float16
+    assert qk.decode(p, ospec).shape == (2, 3, 256)
+    with pytest.raises(ValueError, match="outlier words"):
+        qk.decode(p._replace(outlier=None), ospec)
 
 
 # (P, bits, quantizer, residual, dtype, backward): every bits x policy x residual at P=4, the
@@ -246,6 +290,68 @@ def test_fused_allreduce_matches_reference(P, bits, quantizer, residual, dtype, 
     _check_fused(P, cfg, 1500 + 37 * P, dtype, backward, calls=2, seed=100 * P + 10 * bits)
 
 
+# The outlier word through the stage kernels: (P, bits, quantizer, residual, dtype, backward,
+# state: 'pair' (the paper's fp32 pair) or 'default' (one bf16 tensor)): every bits x policy,
+# P = 2/3/4, each input dtype, both residuals, both scalings.
+OUTLIER_CASES = [(2, 4, "zero_aware", "local", torch.bfloat16, False, "default"),
+                 (2, 8, "symmetric", "output", torch.float32, True, "pair"),
+                 (3, 4, "naive", "output", torch.float16, False, "pair"),
+                 (3, 8, "zero_aware", "local", torch.bfloat16, True, "pair"),
+                 (4, 4, "symmetric", "local", torch.float16, False, "default"),
+                 (4, 8, "naive", "local", torch.float32, False, "pair"),
+                 (4, 4, "zero_aware", "output", torch.bfloat16, True, "pair")]
+
+
+def _outlier_config(bits, quantizer, residual, state):
+    if state == "default":
+        return EchoConfig(bits=bits, quantizer=quantizer, residual=residual, outlier=True)
+    return two_timescale(bits=bits, quantizer=quantizer, residual=residual, outlier=True)
+
+
+def _outlier_input(P, n, dtype, call, seed, backward):
+    """Call `call` of an outlier sequence, [P, n]: 0 outlier_groups without NaN/Inf, 1 with
+    them, 2 _fused_input (outlier channels x40); gradients scaled down (the power of two brings
+    them back)."""
+    if call == 2:
+        return _fused_input(P, n, dtype, seed=seed, scale=1e-6 if backward else 1.0)
+    g = 128
+    x = outlier_groups(P, -(-n // g), g, dtype, seed=seed + call, nonfinite=call == 1)
+    return (x[:, :n].float() * (1e-6 if backward else 1.0)).to(dtype)
+
+
+@pytest.mark.parametrize("P,bits,quantizer,residual,dtype,backward,state", OUTLIER_CASES,
+                         ids=str)
+def test_fused_outlier_matches_reference(P, bits, quantizer, residual, dtype, backward, state):
+    """QuantSpec.outlier through entry -> reduce -> tail: the entry's packets and the owner's
+    requantization carry the outlier words (the reduce decodes them, the tail too), y and the
+    state bit for bit with the reference over 3 calls (the last one's state from NaN/Inf
+    groups' calls)."""
+    cfg = _outlier_config(bits, quantizer, residual, state)
+    n = 1500 + 37 * P
+    sdt = torch.bfloat16 if state == "default" else torch.float32
+    seed = 8100 + 10 * P + bits
+    _check_fused(P, cfg, n, dtype, backward, calls=3, seed=0, state_dtype=sdt,
+                 compact=state == "default", tile=256,
+                 make_input=lambda call: _outlier_input(P, n, dtype, call, seed, backward))
+
+
+def test_fused_outlier_tile_in_steps_and_edge_sequence():
+    """The outlier word with a tile of 4 steps (one flag per tile), then the issue-15 call
+    sequence (huge groups, sums near the dtype's max, NaN/Inf, clean calls): y and the state
+    bit for bit, the state finite."""
+    cfg = two_timescale(bits=4, residual="local", outlier=True)
+    _check_fused(2, cfg, 3000 + 53 * 2, torch.bfloat16, False, calls=2, seed=1400,
+                 tile=1024, step=256,
+                 make_input=lambda call: _outlier_input(2, 3106, torch.bfloat16, call,
+                                                        seed=1400, backward=False))
+    n = 1100 + 37 * 3
+    cfg = two_timescale(bits=8, quantizer="symmetric", residual="output", outlier=True)
+    state = _check_fused(3, cfg, n, torch.float16, False, calls=5, seed=0, tile=256,
+                         make_input=lambda call: edge_input(3, n, torch.float16, call,
+                                                            seed=3200))
+    assert torch.isfinite(state.m1).all() and torch.isfinite(state.m2).all()
+
+
 @pytest.mark.parametrize("P,bits,residual,backward", [(2, 4, "local", False),
                                                       (3, 4, "output", True),
                                                       (4, 8, "local", True)])
@@ -300,20 +406,33 @@ def test_fused_uncompensated_and_nonfinite(bits):
     assert got[:, 700].isnan().all()
 
 
-def test_gather_slots_identical_on_every_rank():
-    """Every rank holds the same owner packets after a call (everyone decodes the same bytes)."""
+@pytest.mark.parametrize("quantizer,outlier", [("zero_aware", False), ("zero_aware", True),
+                                               ("symmetric", True)])
+def test_gather_slots_identical_on_every_rank(quantizer, outlier):
+    """Every rank holds the same owner packets after a call (everyone decodes the same bytes),
+    and Layout.packet's views are where the kernels wrote them: quant.decode of owner j's
+    packet is y's segment j (uncompensated fp32 call; with the outlier words, whose offset
+    the kernels derive from the other two: allreduce_kernels._outlier_off)."""
     P, n = 4, 2048
-    cfg = two_timescale(bits=4)
+    cfg = two_timescale(bits=4, quantizer=quantizer, outlier=outlier, eta=0.0)
+    spec = cfg.quant_spec()
     sim = sf.SimulatedFused(P, tile_elems=512)
-    sim(_fused_input(P, n, torch.bfloat16, seed=3, scale=1.0), cfg, state=None)
-    ws = sim.workspace(n, cfg.quant_spec(), torch.device("cpu"))
+    x = _outlier_input(P, n, torch.float32, 0, seed=3, backward=False) if outlier else \
+        _fused_input(P, n, torch.float32, seed=3, scale=1.0)
+    y = sim(x, cfg, state=None)
+    ws = sim.workspace(n, spec, torch.device("cpu"))
     lay = ws["lay"]
     for owner in range(P):
-        first = lay.packet(ws["bufs"][0], 1, owner, cfg.quant_spec())
+        first = lay.packet(ws["bufs"][0], 1, owner, spec)
+        assert (first.outlier is not None) == outlier
         for r in range(1, P):
-            other = lay.packet(ws["bufs"][r], 1, owner, cfg.quant_spec())
+            other = lay.packet(ws["bufs"][r], 1, owner, spec)
             for a, b in zip(first, other):
-                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                assert (a is None) == (b is None)
+                assert a is None or torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        seg = slice(owner * lay.seg, min(n, (owner + 1) * lay.seg))
+        want = quant.saturate(quant.decode(first, spec), torch.float32)[:seg.stop - seg.start]
+        assert_bits_equal(y[0, seg], want, f"owner {owner}")
 
 
 def test_missing_peer_times_out_with_rank_stage_tile():
@@ -395,16 +514,19 @@ def _concurrent_rank(rank, P, bufs, errs, xs, ys, m1s, m2s, cfg, programs, tile,
         plan.tail(ys[call, rank])
 
 
-@pytest.mark.parametrize("P,residual,programs,tile,step,lag,add",
-                         [(2, "local", 0, 256, 256, None, False),
-                          (3, "output", 0, 256, 256, None, False),
-                          (2, "output", 2, 256, 256, None, False),
-                          (3, "local", 1, 256, 256, None, False),
-                          (2, "local", 2, 512, 256, None, False),
-                          (4, "local", 0, 256, 256, 50, False),
-                          (2, "output", 2, 256, 256, None, True),
-                          (2, "local", 0, 256, 256, 1, True)])
-def test_fused_ranks_in_concurrent_processes(P, residual, programs, tile, step, lag, add):
+@pytest.mark.parametrize("P,residual,programs,tile,step,lag,add,outlier",
+                         [(2, "local", 0, 256, 256, None, False, False),
+                          (3, "output", 0, 256, 256, None, False, False),
+                          (2, "output", 2, 256, 256, None, False, False),
+                          (3, "local", 1, 256, 256, None, False, False),
+                          (2, "local", 2, 512, 256, None, False, False),
+                          (4, "local", 0, 256, 256, 50, False, False),
+                          (2, "output", 2, 256, 256, None, True, False),
+                          (2, "local", 0, 256, 256, 1, True, False),
+                          (3, "local", 2, 256, 256, None, False, True),
+                          (2, "output", 0, 256, 256, 1, True, True)])
+def test_fused_ranks_in_concurrent_processes(P, residual, programs, tile, step, lag, add,
+                                             outlier):
     """The flag protocol with real concurrency: P processes share their buffers (as symmetric
     memory would), each runs 3 calls back to back; every wait must see its peer's data and no
     rank may overwrite a slot a slower peer still reads. programs > 0: the single fused kernel,
@@ -412,9 +534,10 @@ def test_fused_ranks_in_concurrent_processes(P, residual, programs, tile, step, 
     overlapped in one launch (overlap 'launch'; tails `lag` tiles behind; 50 > tiles: every
     reduce first). add: a residual per call and rank, the kernels write residual + y (the
     block boundary's add; the forms SimulatedFused cannot run in one process: the fused
-    kernel, and reduce_tail with the reduce's own y), the state as without it."""
+    kernel, and reduce_tail with the reduce's own y), the state as without it. outlier: the
+    outlier word (QuantSpec.outlier) in those two forms."""
     import torch.multiprocessing as mp
-    cfg = two_timescale(bits=4, residual=residual)
+    cfg = two_timescale(bits=4, residual=residual, outlier=outlier)
     calls, n = 3, 1000 if not programs and lag is None else 2300
     lay = ap.Layout.build(n, P, cfg.quant_spec(), tile_elems=tile)
     bufs = [torch.randint(0, 256, (lay.nbytes,), dtype=torch.uint8).share_memory_()
@@ -422,7 +545,8 @@ def test_fused_ranks_in_concurrent_processes(P, residual, programs, tile, step, 
     for b in bufs:
         lay.flag_words(b).zero_()
     errs = [torch.zeros(8, dtype=torch.int64).share_memory_() for _ in range(P)]
-    xs = torch.stack([_fused_input(P, n, torch.bfloat16, seed=50 + c, scale=1.0)
+    xs = torch.stack([_outlier_input(P, n, torch.bfloat16, c, seed=50, backward=False)
+                      if outlier else _fused_input(P, n, torch.bfloat16, seed=50 + c, scale=1.0)
                       for c in range(calls)]).share_memory_()
     ys = torch.empty_like(xs).share_memory_()
     m1s, m2s = torch.zeros(P, n).share_memory_(), torch.zeros(P, n).share_memory_()
@@ -453,14 +577,31 @@ def test_layout_alignment():
     assert lay.tiles * lay.bg >= lay.groups > (lay.tiles - 1) * lay.bg
     with pytest.raises(ValueError, match="power of two"):
         ap.Layout.build(1000, 2, spec, tile_elems=384)
+    for bits in (4, 8):
+        for qz in ("zero_aware", "naive", "symmetric"):
+            for g, numel in ((8, 1000), (128, 10_000_003), (256, 77_777)):
+                plain = QuantSpec(bits=bits, group_size=g, quantizer=qz)
+                ospec = QuantSpec(bits=bits, group_size=g, quantizer=qz, outlier=True)
+                a = ap.Layout.build(numel, 3, plain, tile_elems=1024)
+                b = ap.Layout.build(numel, 3, ospec, tile_elems=1024)
+                # the kernels' rule (allreduce_kernels._outlier_off), 16-byte aligned, after
+                # every other region, inside the slot
+                assert b.outlier_off == (b.zero_off + (b.zero_off - b.scale_off)
+                                         if plain.has_zero else b.zero_off)
+                assert b.outlier_off % 16 == 0 and b.outlier_off >= b.zero_off
+                assert b.outlier_off + 2 * b.groups <= b.slot
+                assert (a.scale_off, a.zero_off) == (b.scale_off, b.zero_off)
+                assert a.slot <= b.slot and b.slot - a.slot <= 2 * b.groups + 256
+                assert ospec.packet_bytes(b.seg) <= b.slot
 
 
+@pytest.mark.parametrize("outlier", [False, True], ids=["plain", "outlier"])
 @pytest.mark.parametrize("residual", ["output", "local"])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_reference_qar_with_kernel_codec_is_bit_identical(residual, bits):
+def test_reference_qar_with_kernel_codec_is_bit_identical(residual, bits, outlier):
     """On CUDA the reference QAR quantizes with these kernels (qar.codec_for): same y and state
     as with quant.py, over two compensated calls of P=4 virtual ranks."""
-    cfg = two_timescale(bits=bits, residual=residual)
+    cfg = two_timescale(bits=bits, residual=residual, outlier=outlier)
     t = SimTransport(4)
     states = {name: CompState.zeros((4, 1000), "cpu") for name in ("torch", "kernels")}
     for call in range(2):

@@ -19,13 +19,18 @@ the compiled forms to torch's reference on fresh random inputs:
   * the reduce-scatter and all-gather halves (`-k halves`): SimulatedFused.reduce_scatter /
     all_gather against collective/sharded.py with the torch quantizer, P = 2/4/8, y and state
     bit for bit over 3 calls; SimulatedCommunicator's halves on CUDA (FusedSimBackend: the
-    kernels) against fused=False over a forward and a backward pass (P = 2).
+    kernels) against fused=False over a forward and a backward pass (P = 2);
+  * the outlier word (QuantSpec.outlier; `-k outlier` and the cases with outlier True): every
+    encode/decode test above with and without it, its own cases (harness.outlier_groups), the
+    stage kernels on outlier calls (FUSED_OUTLIER), a boundary, two halves and a communicator
+    case. Where only these fail, look first at quant_kernels._outlier_slots' compiled form (the
+    NaN-propagating max of |x|, the key's min) and allreduce_kernels._outlier_off.
 """
 from __future__ import annotations
 
 import pytest
 import torch
-from harness import bits_differ, edge_input, extreme_groups, two_timescale
+from harness import bits_differ, edge_input, extreme_groups, outlier_groups, two_timescale
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -119,15 +124,48 @@ def test_encode_decode_at_every_scale_match_torch_reference_on_gpu(dtype):
     from echo_tp.kernels import quant_kernels as qk
     for bits in (4, 8):
         for qz in ("zero_aware", "naive", "symmetric"):
-            spec = QuantSpec(bits=bits, group_size=128, quantizer=qz)
-            x = extreme_groups(40, 50, 128, getattr(torch, dtype), seed=77 + bits).cuda()
-            got, want = qk.encode(x, spec), quant.encode(x, spec)
-            assert not bits_differ(got.codes, want.codes).any(), (bits, qz, "codes")
-            assert not bits_differ(got.scale.view(torch.int16),
-                                   want.scale.view(torch.int16)).any(), (bits, qz, "scale")
-            if spec.has_zero:
-                assert not bits_differ(got.zero, want.zero).any(), (bits, qz, "zero")
-            assert not bits_differ(qk.decode(got, spec), quant.decode(want, spec)).any(), (bits, qz)
+            for outlier in (False, True):
+                spec = QuantSpec(bits=bits, group_size=128, quantizer=qz, outlier=outlier)
+                x = extreme_groups(40, 50, 128, getattr(torch, dtype), seed=77 + bits).cuda()
+                _assert_packets_match(qk.encode(x, spec), quant.encode(x, spec), spec,
+                                      (bits, qz, outlier))
+
+
+def _assert_packets_match(got, want, spec, what):
+    """Codes, scale words (int16, strict), zeros (any NaN matches), outlier words (int16,
+    strict) and both decodes of the packets bit for bit (quant_kernels vs quant on CUDA)."""
+    from echo_tp import quant
+    from echo_tp.kernels import quant_kernels as qk
+    assert not bits_differ(got.codes, want.codes).any(), (what, "codes")
+    assert not bits_differ(got.scale.view(torch.int16),
+                           want.scale.view(torch.int16)).any(), (what, "scale")
+    if spec.has_zero:
+        assert not bits_differ(got.zero, want.zero).any(), (what, "zero")
+    if spec.outlier:
+        assert not bits_differ(got.outlier.view(torch.int16),
+                               want.outlier.view(torch.int16)).any(), (what, "outlier words")
+    else:
+        assert got.outlier is None
+    assert not bits_differ(qk.decode(got, spec), quant.decode(want, spec)).any(), (what, "decode")
+    assert not bits_differ(qk.decode(want, spec), quant.decode(got, spec)).any(), (what, "cross")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_outlier_encode_decode_match_torch_reference_on_gpu(dtype):
+    """The outlier word's own cases (harness.outlier_groups: massive values, ties, fp16's
+    range edges, fp16 rounding ties, NaN/Inf beside a massive value) on the compiled
+    quantizer (NaN-propagating reductions, the hardware fp16 conversion) against quant.py."""
+    from echo_tp import quant
+    from echo_tp.config import QuantSpec
+    from echo_tp.kernels import quant_kernels as qk
+    for bits in (4, 8):
+        for qz in ("zero_aware", "naive", "symmetric"):
+            for g in (8, 128):
+                spec = QuantSpec(bits=bits, group_size=g, quantizer=qz, outlier=True)
+                x = outlier_groups(40, 64, g, getattr(torch, dtype), seed=99 + bits + g).cuda()
+                want = quant.encode(x, spec)
+                _assert_packets_match(qk.encode(x, spec), want, spec, (bits, qz, g))
+                assert bool((want.outlier != 0).any()) and bool((want.outlier == 0).any())
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
@@ -138,7 +176,6 @@ def test_encode_decode_match_torch_reference_on_gpu(dtype):
     gen = torch.Generator().manual_seed(7)
     for bits in (4, 8):
         for qz in ("zero_aware", "naive", "symmetric"):
-            spec = QuantSpec(bits=bits, group_size=128, quantizer=qz)
             groups = 6007
             x = torch.randn(groups, 128, generator=gen) \
                 * torch.exp(torch.randn(groups, 1, generator=gen) * 4)
@@ -152,12 +189,10 @@ def test_encode_decode_match_torch_reference_on_gpu(dtype):
             x[kind == 6, 5] = float("nan")
             x[kind == 7, 9] = float("inf")
             x = x.reshape(-1).to(getattr(torch, dtype)).cuda()
-            got, want = qk.encode(x, spec), quant.encode(x, spec)
-            assert not bits_differ(got.codes, want.codes).any(), (bits, qz, "codes")
-            assert not bits_differ(got.scale, want.scale).any(), (bits, qz, "scale")
-            if spec.has_zero:
-                assert not bits_differ(got.zero, want.zero).any(), (bits, qz, "zero")
-            assert not bits_differ(qk.decode(got, spec), quant.decode(want, spec)).any(), (bits, qz)
+            for outlier in (False, True):
+                spec = QuantSpec(bits=bits, group_size=128, quantizer=qz, outlier=outlier)
+                _assert_packets_match(qk.encode(x, spec), quant.encode(x, spec), spec,
+                                      (bits, qz, outlier))
 
 
 # (P, bits, quantizer, residual, dtype, backward, state dtype, compact)
@@ -232,6 +267,62 @@ def test_simulated_fused_edge_calls_match_torch_reference_on_gpu(case, torch_qua
             assert torch.isfinite(y).all(), call
 
 
+# The outlier word (QuantSpec.outlier) on the compiled stage kernels; fields as FUSED.
+FUSED_OUTLIER = [
+    (2, 4, "zero_aware", "local", "bfloat16", False, "bfloat16", True),
+    (4, 4, "symmetric", "output", "float16", False, "float32", False),
+    (3, 8, "naive", "local", "float32", True, "float32", False),
+    (4, 8, "zero_aware", "output", "bfloat16", True, "bfloat16", False),
+    (2, 4, "naive", "output", "float32", False, "float32", False),
+    (3, 4, "symmetric", "local", "bfloat16", True, "float32", False),
+]
+
+
+@pytest.mark.parametrize("case", FUSED_OUTLIER, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("tile", [1024, 2048])
+def test_simulated_fused_outlier_matches_torch_reference_on_gpu(case, tile, torch_quantizer):
+    """The outlier word through the compiled entry, reduce and tail (every packet carries its
+    outlier words; the reduce decodes and requantizes with them) against compensated_all_reduce
+    with the torch quantizer: 4 calls (harness.outlier_groups without NaN/Inf, then with them;
+    randn with massive channels x3000; the issue-15 call with huge groups, NaN and Inf), y
+    and the state bit for bit after each, the state finite, y finite without NaN/Inf input."""
+    from echo_tp.collective.qar import compensated_all_reduce
+    from echo_tp.collective.simulated import SimTransport
+    from echo_tp.compensator import CompState
+    from echo_tp.collective.simulated_fused import SimulatedFused
+    P, bits, qz, resid, dtype, backward, sdt, compact = case
+    betas = dict(beta1=0.5, beta2=0.5) if compact else {}
+    cfg = two_timescale(bits=bits, quantizer=qz, residual=resid, state_dtype=sdt, outlier=True,
+                        **betas)
+    n, dt = 100_003, getattr(torch, dtype)
+    sdtype = getattr(torch, sdt)
+    st = CompState.zeros((P, n), "cuda", sdtype, compact=compact)
+    st_r = CompState.zeros((P, n), "cuda", sdtype, compact=compact)
+    sim = SimulatedFused(P, tile_elems=tile, timeout_polls=10**7)
+    gen = torch.Generator(device="cuda").manual_seed(31 * P + bits + tile)
+    for call in range(4):
+        if call < 2:
+            x = outlier_groups(P, -(-n // 128), 128, dt, seed=500 + 10 * P + call,
+                               nonfinite=call == 1)[:, :n].cuda()
+        elif call == 2:
+            x = torch.randn(P, n, device="cuda", generator=gen)
+            x[:, 7::501] *= 3000.0
+            x[:, 1024:1152] = 0.0
+            x = x.to(dt)
+        else:
+            x = edge_input(P, n, dt, 1, seed=95 + P).cuda()
+        if backward:
+            x = (x.float() * 1e-7).to(dt)
+        y_r, _ = compensated_all_reduce(x, cfg, SimTransport(P), state=st_r, backward=backward)
+        y = sim(x, cfg, state=st, backward=backward)
+        assert not bits_differ(y, y_r).any(), (call, "y", int(bits_differ(y, y_r).sum()))
+        assert not bits_differ(st.m1, st_r.m1).any(), (call, "m1")
+        assert not bits_differ(st.m2, st_r.m2).any(), (call, "m2")
+        assert torch.isfinite(st.m1).all() and torch.isfinite(st.m2).all(), call
+        if call in (0, 2):
+            assert torch.isfinite(y).all(), call
+
+
 @pytest.mark.parametrize("H,dtype,wdtype", [(4096, "bfloat16", "float32"),
                                             (5120, "bfloat16", "bfloat16"),
                                             (8192, "float16", "float16"),
@@ -257,16 +348,19 @@ def test_add_rmsnorm_kernel_matches_reference_on_gpu(H, dtype, wdtype, rows):
     assert not bits_differ(only, want_n).any(), (int(bits_differ(only, want_n).sum()), "rmsnorm")
 
 
-@pytest.mark.parametrize("P,cfg_name,dtype", [(4, "echo4", torch.bfloat16),
-                                              (8, "echo4-output", torch.bfloat16),
-                                              (8, "4", torch.float16)])
-def test_simulated_communicator_on_gpu_runs_the_fused_kernels_bit_for_bit(P, cfg_name, dtype):
+@pytest.mark.parametrize("P,cfg_name,dtype,outlier", [(4, "echo4", torch.bfloat16, False),
+                                                      (8, "echo4-output", torch.bfloat16, False),
+                                                      (8, "4", torch.float16, False),
+                                                      (4, "echo4", torch.bfloat16, True)])
+def test_simulated_communicator_on_gpu_runs_the_fused_kernels_bit_for_bit(P, cfg_name, dtype,
+                                                                          outlier):
     """SimulatedCommunicator on CUDA (FusedSimBackend: the p2p kernels of every virtual rank)
     against fused=False (the reference): y and the compensator states after a forward and a
-    backward pass of 6 sites each, bit for bit."""
+    backward pass of 6 sites each, bit for bit; outlier: the config with the outlier word
+    (kernels/fits takes it: the kernels run)."""
     from echo_tp import SimulatedCommunicator
     from echo_tp.config import EchoConfig
-    cfg = EchoConfig.from_name(cfg_name)
+    cfg = EchoConfig.from_name(cfg_name).replace(outlier=outlier)
     g = torch.Generator(device="cuda").manual_seed(P)
     fast, ref = SimulatedCommunicator(P, cfg), SimulatedCommunicator(P, cfg, fused=False)
     assert fast.dispatcher.backends["reference"].name == "simulated-fused"
@@ -286,13 +380,15 @@ def test_simulated_communicator_on_gpu_runs_the_fused_kernels_bit_for_bit(P, cfg
                 assert int(bits_differ(s1.m2, s2.m2).sum()) == 0
 
 
-# (P, bits, quantizer, residual mode or None: uncompensated, dtype, state dtype, compact)
+# (P, bits, quantizer, residual mode or None: uncompensated, dtype, state dtype, compact,
+# outlier word)
 ADD_NORM = [
-    (4, 4, "zero_aware", "local", "bfloat16", "bfloat16", True),      # the default config
-    (4, 4, "zero_aware", "output", "bfloat16", "float32", False),
-    (2, 8, "symmetric", "local", "float16", "float32", False),
-    (2, 4, "naive", None, "float32", "float32", False),
-    (4, 8, "zero_aware", None, "float16", "float32", False),
+    (4, 4, "zero_aware", "local", "bfloat16", "bfloat16", True, False),   # the default config
+    (4, 4, "zero_aware", "output", "bfloat16", "float32", False, False),
+    (2, 8, "symmetric", "local", "float16", "float32", False, False),
+    (2, 4, "naive", None, "float32", "float32", False, False),
+    (4, 8, "zero_aware", None, "float16", "float32", False, False),
+    (4, 4, "zero_aware", "local", "bfloat16", "bfloat16", True, True),
 ]
 
 
@@ -309,10 +405,11 @@ def test_residual_in_the_all_reduce_then_rmsnorm_on_gpu(case, rows, H, torch_qua
     from echo_tp.compensator import CompState
     from echo_tp.kernels import norm_kernels as nk
     from echo_tp.collective.simulated_fused import SimulatedFused
-    P, bits, qz, mode, dtype, sdt, compact = case
+    P, bits, qz, mode, dtype, sdt, compact, outlier = case
     betas = dict(beta1=0.5, beta2=0.5) if compact else {}
-    cfg = two_timescale(bits=bits, quantizer=qz, residual=mode, state_dtype=sdt, **betas) \
-        if mode else two_timescale(bits=bits, quantizer=qz, eta=0.0)
+    cfg = two_timescale(bits=bits, quantizer=qz, residual=mode, state_dtype=sdt,
+                        outlier=outlier, **betas) \
+        if mode else two_timescale(bits=bits, quantizer=qz, eta=0.0, outlier=outlier)
     n, dt = rows * H, getattr(torch, dtype)
     st = CompState.zeros((P, n), "cuda", getattr(torch, sdt), compact=compact) if mode else None
     st_r = CompState.zeros((P, n), "cuda", getattr(torch, sdt), compact=compact) if mode else None
@@ -341,11 +438,14 @@ def test_residual_in_the_all_reduce_then_rmsnorm_on_gpu(case, rows, H, torch_qua
             assert not bits_differ(st.m2, st_r.m2).any(), (call, "m2")
 
 
-# (P, bits, quantizer, dtype, state: None | 'pair' (paper, fp32) | 'default', backward)
+# (P, bits, quantizer, dtype, state: None | 'pair' (paper, fp32) | 'default', backward,
+# outlier word)
 HALVES = [                 # few: every rank of every case is a cold compile per stage kernel
-    (2, 8, "symmetric", "float32", None, False),
-    (4, 4, "zero_aware", "bfloat16", "pair", True),
-    (8, 4, "zero_aware", "bfloat16", "default", True),
+    (2, 8, "symmetric", "float32", None, False, False),
+    (4, 4, "zero_aware", "bfloat16", "pair", True, False),
+    (8, 4, "zero_aware", "bfloat16", "default", True, False),
+    (4, 4, "naive", "float16", "default", False, True),
+    (2, 8, "symmetric", "bfloat16", "pair", True, True),
 ]
 
 
@@ -361,10 +461,11 @@ def test_halves_match_sharded_reference_on_gpu(kind, case):
     from echo_tp.compensator import CompState
     from echo_tp.config import EchoConfig
     from echo_tp.collective.simulated_fused import SimulatedFused
-    P, bits, qz, dtype, state, backward = case
+    P, bits, qz, dtype, state, backward, outlier = case
     cfg = EchoConfig(bits=bits, quantizer=qz, eta=0.0) if state is None else \
         two_timescale(bits=bits, quantizer=qz) if state == "pair" else \
         EchoConfig(bits=bits, quantizer=qz)
+    cfg = cfg.replace(outlier=outlier)
     m = 257 * 128
     n = P * m if kind == "reduce_scatter" else m
     sdt = torch.bfloat16 if state == "default" else torch.float32
@@ -379,6 +480,9 @@ def test_halves_match_sharded_reference_on_gpu(kind, case):
             .repeat_interleave(128, dim=1)
         x[:, 7::501] *= 30.0
         x[:, 1024:1152] = 0.0
+        if outlier:                                # massive values, a tie of the largest |x|
+            x[:, 13::1001] = 3000.0
+            x[:, 2048 + 5], x[:, 2048 + 77] = 4096.0, -4096.0
         x = (x * (1e-7 if backward else 1.0)).to(getattr(torch, dtype))
         y = getattr(sim, kind)(x, cfg, state=st, backward=backward)
         y_r = ref(x, cfg, SimTransport(P), state=st_r, backward=backward, codec=quant)

@@ -10,7 +10,8 @@ reference, on the CPU under TRITON_INTERPRET=1 (issue 20 item 4). Compared bit f
     fresh random inputs (ECHO_TEST_SEED), P = 2 and 4, bits 4 and 8, bf16 and fp32 inputs,
     no state / the paper's fp32 pair / the default single bf16 tensor, forward and backward
     (the power of two over the group); chunks of 3 groups in tiles of 2 (a partial tile per
-    segment);
+    segment); with the outlier word (QuantSpec.outlier) too: P = 2/3/4, bits 4/8, the three
+    policies, bf16/fp16/fp32, massive values, ties, a NaN now and then;
   * kernels.fits.fits: which halves the kernels refuse, and why;
   * kernels.allreduce_plan.next_call (the p2p halves' pair of workspaces used in turn): each
     call bumps the pair's epoch once and points the table at workspace epoch % 2.
@@ -45,32 +46,46 @@ SEED = int(os.environ.setdefault("ECHO_TEST_SEED", str(int.from_bytes(os.urandom
 G = 128
 M = 3 * G                               # values per chunk: 3 groups, tiles of 2 groups
 
-# (P, bits, quantizer, input dtype, state: None | 'pair' (paper, fp32) | 'default', backward)
+# (P, bits, quantizer, input dtype, state: None | 'pair' (paper, fp32) | 'default', backward,
+# outlier: QuantSpec.outlier)
 CASES = [
-    (2, 4, "zero_aware", "bfloat16", "pair", False),
-    (2, 8, "symmetric", "float32", None, True),
-    (2, 4, "zero_aware", "bfloat16", "default", True),
-    (4, 4, "zero_aware", "float32", "pair", True),
-    (4, 8, "naive", "bfloat16", "default", False),
-    (4, 4, "zero_aware", "bfloat16", None, False),
+    (2, 4, "zero_aware", "bfloat16", "pair", False, False),
+    (2, 8, "symmetric", "float32", None, True, False),
+    (2, 4, "zero_aware", "bfloat16", "default", True, False),
+    (4, 4, "zero_aware", "float32", "pair", True, False),
+    (4, 8, "naive", "bfloat16", "default", False, False),
+    (4, 4, "zero_aware", "bfloat16", None, False, False),
+    (2, 4, "symmetric", "float16", "pair", False, True),
+    (3, 8, "zero_aware", "bfloat16", "default", True, True),
+    (4, 4, "naive", "float32", None, False, True),
+    (2, 8, "naive", "float16", "default", False, True),
+    (3, 4, "zero_aware", "float32", "pair", False, True),
 ]
 
 
-def _config(bits: int, quantizer: str, state: str | None) -> EchoConfig:
+def _config(bits: int, quantizer: str, state: str | None, outlier: bool = False) -> EchoConfig:
     if state is None:
-        return EchoConfig(bits=bits, quantizer=quantizer, eta=0.0)
+        return EchoConfig(bits=bits, quantizer=quantizer, eta=0.0, outlier=outlier)
     if state == "pair":
-        return two_timescale(bits=bits, quantizer=quantizer)
-    return EchoConfig(bits=bits, quantizer=quantizer)      # one bf16 tensor, beta1 = beta2 = 0
+        return two_timescale(bits=bits, quantizer=quantizer, outlier=outlier)
+    return EchoConfig(bits=bits, quantizer=quantizer, outlier=outlier)   # one bf16 tensor
 
 
-def _input(P: int, n: int, dtype, backward: bool, gen) -> torch.Tensor:
+def _input(P: int, n: int, dtype, backward: bool, gen, outlier: bool = False) -> torch.Tensor:
     """[P, n]: groups of widely different magnitudes, an outlier channel, a zero group;
-    gradients tiny (the backward scaling brings them up)."""
+    gradients tiny (the backward scaling brings them up). outlier: also a group of ties of
+    the largest |value| (+-v), massive values x300-x3000 here and there, a NaN in a call in
+    three (the outlier word's cases)."""
     x = torch.randn(P, n, generator=gen)
     x *= torch.exp(torch.randn(P, n // G, generator=gen) * 2).repeat_interleave(G, dim=1)
     x[:, 5::97] *= 30.0
     x[:, G:2 * G] = 0.0
+    if outlier:
+        x[:, 2 * G + 3], x[:, 2 * G + 9] = 5000.0, -5000.0            # tied largest |values|
+        pick = torch.rand(P, n, generator=gen) < 0.01
+        x[pick] *= 300.0 * (1 + 9 * torch.rand(int(pick.sum()), generator=gen))
+        if float(torch.rand(1, generator=gen)) < 0.34:
+            x[P - 1, n // 2 + 1] = float("nan")
     return (x * (1e-6 if backward else 1.0)).to(dtype)
 
 
@@ -79,8 +94,8 @@ def _input(P: int, n: int, dtype, backward: bool, gen) -> torch.Tensor:
 def test_halves_match_sharded_reference(kind, case):
     """y and (m1, m2) after each of 3 calls (2 at P=4: the interpreter's time), bit for bit;
     all-gather rows identical."""
-    P, bits, qz, dtype, state, backward = case
-    cfg = _config(bits, qz, state)
+    P, bits, qz, dtype, state, backward, outlier = case
+    cfg = _config(bits, qz, state, outlier)
     n = P * M if kind == "reduce_scatter" else M              # a rank's input
     sdt = torch.bfloat16 if state == "default" else torch.float32
     st = CompState.zeros((P, n), "cpu", sdt, compact=state == "default") if state else None
@@ -89,7 +104,7 @@ def test_halves_match_sharded_reference(kind, case):
     ref = compensated_reduce_scatter if kind == "reduce_scatter" else compensated_all_gather
     gen = torch.Generator().manual_seed(SEED + 100 * P + 10 * bits + len(kind))
     for call in range(3 if P == 2 else 2):
-        x = _input(P, n, getattr(torch, dtype), backward, gen)
+        x = _input(P, n, getattr(torch, dtype), backward, gen, outlier)
         y = getattr(sim, kind)(x, cfg, state=st, backward=backward)
         y_r = ref(x, cfg, SimTransport(P), state=st_r, backward=backward)
         assert_bits_equal(y, y_r, f"call {call} y")
@@ -111,6 +126,10 @@ def test_fits_says_why_for_the_halves():
     P = 4
     assert fits("reduce_scatter", torch.zeros(P * M), cfg, world_size=P) is None
     assert fits("all_gather", torch.zeros(M), cfg, world_size=P) is None
+    for qz in ("zero_aware", "naive", "symmetric"):                  # the outlier word too
+        ocfg = EchoConfig(bits=8, quantizer=qz, outlier=True)
+        assert fits("reduce_scatter", torch.zeros(P * M), ocfg, world_size=P) is None
+        assert fits("all_reduce", torch.zeros(1000), ocfg, world_size=P) is None
     assert "equal chunks" in fits("reduce_scatter", torch.zeros(P * M + 1), cfg, world_size=P)
     assert "whole number" in fits("reduce_scatter", torch.zeros(P * 200), cfg, world_size=P)
     assert "whole number" in fits("all_gather", torch.zeros(200), cfg, world_size=P)

@@ -48,7 +48,9 @@ Outlier word (QuantSpec.outlier): each group's largest |value| v (the first inde
 travels as its fp16 value (round to nearest even) in a 16-bit word beside the scale word, and
 its code slot holds the marker code (2^b - 1 asymmetric, where the grid then tops out at
 L = 2^b - 2; 0 symmetric, a code the symmetric grid never uses). lo, hi and so the grid are
-those of the other g - 1 values. A receiver decodes the grid and puts v at the marked slot.
+those of the other g - 1 values. A receiver decodes the grid and puts v at the marked slot of
+a group whose word is not 0 (a NaN group's codes are 0, the symmetric marker: its values stay
+NaN).
 A group takes no outlier (no marked slot, word 0, the grid over all g values) when v is not an
 fp16 normal value (|v| < 2^-14 or |v| > 65504: fp16 would round it coarser than the grid) or
 the group holds NaN/Inf. Massive activations (one channel of a token 100-1000x the rest) are
@@ -264,9 +266,9 @@ def decode(packet: Packet, spec: QuantSpec) -> torch.Tensor:
     groups = packet.scale.shape[-1]
     codes = codes.reshape(*codes.shape[:-1], groups, spec.group_size)
     y = dequantize_groups(codes, packet.scale, packet.zero, spec)
-    if spec.outlier:
+    if spec.outlier:   # word 0: no outlier (a NaN group's codes are 0, the symmetric marker)
         v = packet.outlier.to(torch.float32).unsqueeze(-1)
-        y = torch.where(codes == spec.marker, v.expand_as(y), y)
+        y = torch.where((codes == spec.marker) & (v != 0), v.expand_as(y), y)
     return y.flatten(-2)
 
 

@@ -42,9 +42,9 @@ import triton
 import triton.language as tl
 
 from .flags import gated, signal, wait_geq
-from .quant_kernels import (F32_MAX, KMAGIC, _cast_out, _cast_sat, _codes, _dequant, _groups,
-                            _group_params, _lanes, _load_codes, _load_f32, _sat, _store_codes,
-                            _store_words, _word_scale)
+from .quant_kernels import (F32_MAX, _cast_out, _cast_sat, _decode_regs, _dequant, _groups,
+                            _lanes, _load_codes, _load_f32, _load_word, _put_outlier, _quantize,
+                            _sat, _store_codes, _store_words, _word_scale)
 
 
 
@@ -154,20 +154,39 @@ def _buffer(table_ptr, rank):
 
 
 @triton.jit
-def _store_packet(dst, scale_off, zero_off, grp, gmask, t, sw, z16, GS: tl.constexpr,
-                  BITS: tl.constexpr, VT: tl.constexpr, QUANT: tl.constexpr):
+def _outlier_off(scale_off, zero_off, QUANT: tl.constexpr):
+    """Byte offset of a slot's outlier words (Layout.outlier_off): the region after the zeros,
+    which are as long as the scale words' region (asymmetric), or at zero_off (symmetric: no
+    zeros there)."""
+    if QUANT == 2:
+        off = zero_off
+    else:
+        off = zero_off + (zero_off - scale_off)
+    return off
+
+
+@triton.jit
+def _store_packet(dst, scale_off, zero_off, grp, gmask, t, sw, z16, word, GS: tl.constexpr,
+                  BITS: tl.constexpr, VT: tl.constexpr, QUANT: tl.constexpr,
+                  OUTLIER: tl.constexpr):
     """Write one step (groups grp [1, SG, 1, 1], magic-rounded codes t [V, SG, T, 8]) of a
-    packet into the slot at dst: codes | scale words (int16) | fp16 zeros."""
+    packet into the slot at dst: codes | scale words (int16) | fp16 zeros | OUTLIER: fp16
+    outlier words."""
     _store_codes(dst, grp, gmask, t, GS, BITS, VT)
     _store_words((dst + scale_off).to(tl.pointer_type(tl.int16)) + grp, sw, gmask)
     if QUANT != 2:
         _store_words((dst + zero_off).to(tl.pointer_type(tl.float16)) + grp, z16, gmask)
+    if OUTLIER:
+        _store_words((dst + _outlier_off(scale_off, zero_off, QUANT)).to(
+            tl.pointer_type(tl.float16)) + grp, word, gmask)
 
 
 @triton.jit
 def _decode_slot(src, scale_off, zero_off, grp, gmask, GS: tl.constexpr, BITS: tl.constexpr,
-                 VT: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr, SAT: tl.constexpr):
-    """One step of the packet in the slot at src -> fp32 [V, SG, T, 8] (SAT: _dequant's)."""
+                 VT: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr, SAT: tl.constexpr,
+                 OUTLIER: tl.constexpr):
+    """One step of the packet in the slot at src -> fp32 [V, SG, T, 8] (SAT: _dequant's;
+    OUTLIER: the outlier words put back at the marked slots)."""
     qf = _load_codes(src, grp, gmask, GS, BITS, VT)
     sf = _word_scale(tl.load((src + scale_off).to(tl.pointer_type(tl.int16)) + grp, mask=gmask,
                              other=0x3C00, cache_modifier=".cg"))         # masked lanes: 1.0
@@ -176,7 +195,12 @@ def _decode_slot(src, scale_off, zero_off, grp, gmask, GS: tl.constexpr, BITS: t
     else:
         zf = tl.load((src + zero_off).to(tl.pointer_type(tl.float16)) + grp, mask=gmask,
                      other=0.0, cache_modifier=".cg").to(tl.float32)
-    return _dequant(qf, sf, zf, QUANT, QMAX, SAT)
+    out = _dequant(qf, sf, zf, QUANT, QMAX, SAT)
+    if OUTLIER:
+        word = _load_word((src + _outlier_off(scale_off, zero_off, QUANT)).to(
+            tl.pointer_type(tl.float16)), grp, gmask)
+        out = _put_outlier(out, qf, word, BITS, QUANT)
+    return out
 
 
 # ----------------------------------------------------------------------------- backward scale
@@ -217,18 +241,18 @@ def _entry_tile(t, j, ep, x_ptr, m1_ptr, m2_ptr, fs_ptr, table_ptr,
                 RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr, BG: tl.constexpr,
                 SG: tl.constexpr, GS: tl.constexpr, VT: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
                 LEVELS: tl.constexpr, QMAX: tl.constexpr, COMP: tl.constexpr,
-                SCALED: tl.constexpr, LOCAL: tl.constexpr):
+                SCALED: tl.constexpr, LOCAL: tl.constexpr, OUTLIER: tl.constexpr):
     """Quantize tile t of segment j (!= RANK) and push it to owner j; signal recv[RANK][t].
     The tile's BG groups go in steps of SG: each step's remote stores stay in flight while the
     next step computes, and one release (a system-scope fence) covers the whole tile."""
     peer = _buffer(table_ptr, j)
     for c in tl.range(0, BG // SG):
         grp, gmask, e, emask = _step_ids(t, c, j, seg, groups, n, BG, SG, GS, VT)
-        sw, z16, q, m1, m2, err = _entry_step(
-            x_ptr, m1_ptr, m2_ptr, fs_ptr, e, emask, eta, a, oma, X_KIND, QUANT, LEVELS, QMAX,
-            COMP, SCALED, LOCAL)
+        sw, z16, word, q, m1, m2, err = _entry_step(
+            x_ptr, m1_ptr, m2_ptr, fs_ptr, e, emask, eta, a, oma, X_KIND, GS, VT, BITS, QUANT,
+            LEVELS, QMAX, COMP, SCALED, LOCAL, OUTLIER)
         _store_packet(peer + _slot(RANK, slot), scale_off, zero_off, grp, gmask, q, sw, z16,
-                      GS, BITS, VT, QUANT)                 # peer j's receive slot of RANK
+                      word, GS, BITS, VT, QUANT, OUTLIER)  # peer j's receive slot of RANK
         if LOCAL:
             _update(m1_ptr, m2_ptr, e, emask, m1, m2, err, b1, omb1, b2, omb2, COMP)
     signal((peer + flags_off).to(tl.pointer_type(tl.int64)) + RANK * tiles + t, ep)
@@ -236,21 +260,23 @@ def _entry_tile(t, j, ep, x_ptr, m1_ptr, m2_ptr, fs_ptr, table_ptr,
 
 @triton.jit
 def _entry_step(x_ptr, m1_ptr, m2_ptr, fs_ptr, e, emask, eta, a, oma, X_KIND: tl.constexpr,
-                QUANT: tl.constexpr, LEVELS: tl.constexpr, QMAX: tl.constexpr,
-                COMP: tl.constexpr, SCALED: tl.constexpr, LOCAL: tl.constexpr):
+                GS: tl.constexpr, VT: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
+                LEVELS: tl.constexpr, QMAX: tl.constexpr, COMP: tl.constexpr,
+                SCALED: tl.constexpr, LOCAL: tl.constexpr, OUTLIER: tl.constexpr):
     """The arithmetic of one entry step: x', its group parameters and codes and, LOCAL, the
-    rounding error x' - x^ [/ 2^e] -> (scale words, z16, codes, m1, m2, error)."""
+    rounding error x' - x^ [/ 2^e] -> (scale words, z16, outlier words, codes, m1, m2,
+    error)."""
     xp, m1, m2, xs, f = _x_scaled(x_ptr, m1_ptr, m2_ptr, fs_ptr, e, emask, eta, a, oma,
                                   X_KIND, COMP, SCALED)
-    sw, sf, z16, zf, finite = _group_params(xs, QUANT, LEVELS, QMAX)
-    q = _codes(xs, sf, zf, finite, QUANT, LEVELS, QMAX)
+    sw, sf, z16, zf, finite, q, slot, word = _quantize(xs, GS, VT, BITS, QUANT, LEVELS, QMAX,
+                                                       OUTLIER)
     if LOCAL:
-        err = xs - _dequant(q - KMAGIC, sf, zf, QUANT, QMAX, True)   # x' - x^
+        err = xs - _decode_regs(q, sf, zf, slot, word, QUANT, QMAX, True, OUTLIER)  # x' - x^
         if SCALED:
             err = err * tl.math.div_rn(tl.full([], 1.0, tl.float32), f)
     else:
         err = xs
-    return sw, z16, q, m1, m2, err
+    return sw, z16, word, q, m1, m2, err
 
 
 @triton.jit
@@ -261,7 +287,8 @@ def _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_ptr
                  SG: tl.constexpr, GS: tl.constexpr, VT: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
                  LEVELS: tl.constexpr, QMAX: tl.constexpr, COMP: tl.constexpr,
                  SCALED: tl.constexpr, LOCAL: tl.constexpr, USE_TIMER: tl.constexpr,
-                 OWN_Y: tl.constexpr, ADD: tl.constexpr, HALF: tl.constexpr):
+                 OWN_Y: tl.constexpr, ADD: tl.constexpr, HALF: tl.constexpr,
+                 OUTLIER: tl.constexpr):
     """Owner sum of tile t of the own segment, requantized and pushed to every rank's gather
     slot RANK; signal gath[RANK][t] everywhere. Waits once, then steps of SG groups.
     OWN_Y: also y of these elements, decoded from the registers exactly as the tail would
@@ -290,7 +317,8 @@ def _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_ptr
             grp, gmask, e, emask = _step_ids(t, c, RANK, seg, groups, n, BG, SG, GS, VT)
         m1, m2, xs, f, acc = _owner_sum(
             x_ptr, m1_ptr, m2_ptr, fs_ptr, own, e, emask, grp, gmask, slot, scale_off, zero_off,
-            eta, a, oma, RANK, P, X_KIND, GS, VT, BITS, QUANT, QMAX, COMP, SCALED, HALF)
+            eta, a, oma, RANK, P, X_KIND, GS, VT, BITS, QUANT, QMAX, COMP, SCALED, HALF,
+            OUTLIER)
         if HALF == 1:
             if SCALED:
                 acc = acc * tl.math.div_rn(tl.full([], 1.0, tl.float32), f)
@@ -300,21 +328,23 @@ def _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_ptr
                 _update(m1_ptr, m2_ptr, e, gated(emask, ok), m1, m2, tl.zeros_like(acc), b1,
                         omb1, b2, omb2, COMP)
         else:
-            sw, sf, z16, zf, finite = _group_params(acc, QUANT, LEVELS, QMAX)
-            q = _codes(acc, sf, zf, finite, QUANT, LEVELS, QMAX)
+            sw, sf, z16, zf, finite, q, oslot, word = _quantize(acc, GS, VT, BITS, QUANT,
+                                                                LEVELS, QMAX, OUTLIER)
             pmask = gated(gmask, ok)
             for i in tl.static_range(P):                   # own slot last
                 dst = _buffer(table_ptr, (RANK + 1 + i) % P) + _slot(P + RANK, slot)
-                _store_packet(dst, scale_off, zero_off, grp, pmask, q, sw, z16, GS, BITS, VT,
-                              QUANT)
+                _store_packet(dst, scale_off, zero_off, grp, pmask, q, sw, z16, word, GS, BITS,
+                              VT, QUANT, OUTLIER)
             if HALF == 2:
                 if LOCAL:
-                    u = xs - _dequant(q - KMAGIC, sf, zf, QUANT, QMAX, True)  # x' - x^
+                    u = xs - _decode_regs(q, sf, zf, oslot, word, QUANT, QMAX, True,
+                                          OUTLIER)                    # x' - x^
                     if SCALED:
                         u = u * tl.math.div_rn(tl.full([], 1.0, tl.float32), f)
                     _update(m1_ptr, m2_ptr, e, emask, m1, m2, u, b1, omb1, b2, omb2, COMP)
             elif LOCAL or OWN_Y:
-                y32 = _dequant(q - KMAGIC, sf, zf, QUANT, QMAX, SCALED)   # the packet's decode
+                y32 = _decode_regs(q, sf, zf, oslot, word, QUANT, QMAX, SCALED,
+                                   OUTLIER)                       # the packet's decode
                 if SCALED:
                     inv = tl.math.div_rn(tl.full([], 1.0, tl.float32), f)
                     y32 = y32 * inv
@@ -340,7 +370,7 @@ def _owner_sum(x_ptr, m1_ptr, m2_ptr, fs_ptr, own, e, emask, grp, gmask, slot, s
                zero_off, eta, a, oma, RANK: tl.constexpr, P: tl.constexpr,
                X_KIND: tl.constexpr, GS: tl.constexpr, VT: tl.constexpr, BITS: tl.constexpr,
                QUANT: tl.constexpr, QMAX: tl.constexpr, COMP: tl.constexpr,
-               SCALED: tl.constexpr, HALF: tl.constexpr):
+               SCALED: tl.constexpr, HALF: tl.constexpr, OUTLIER: tl.constexpr):
     """One reduce step's x' [* 2^e] and owner sum acc = c_0 + c_1 + ... in rank order (the own
     contribution x' unquantized, each decoded packet and the sum of a finite x' saturated at
     +-fp32 max; HALF 2: acc = x') -> (m1, m2, xs, f, acc)."""
@@ -354,7 +384,7 @@ def _owner_sum(x_ptr, m1_ptr, m2_ptr, fs_ptr, own, e, emask, grp, gmask, slot, s
                 v = xs
             else:
                 v = _decode_slot(own + _slot(r, slot), scale_off, zero_off, grp, gmask,
-                                     GS, BITS, VT, QUANT, QMAX, True)
+                                 GS, BITS, VT, QUANT, QMAX, True, OUTLIER)
             if r == 0:
                 acc = v
             else:
@@ -371,7 +401,7 @@ def _tail_tile(t, j, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_pt
                SG: tl.constexpr, GS: tl.constexpr, VT: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
                QMAX: tl.constexpr, PF: tl.constexpr, COMP: tl.constexpr,
                SCALED: tl.constexpr, OUTPUT: tl.constexpr, USE_TIMER: tl.constexpr,
-               ADD: tl.constexpr):
+               ADD: tl.constexpr, OUTLIER: tl.constexpr):
     """Wait gath[j][t]; decode tile t of owner j's packet into y (ADD: residual + y), and the
     output-residual update (from y), in steps of SG groups."""
     own = _buffer(table_ptr, RANK)
@@ -383,7 +413,7 @@ def _tail_tile(t, j, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_pt
         grp, gmask, e, emask = _step_ids(t, c, j, seg, groups, n, BG, SG, GS, VT)
         emask = gated(emask, ok)
         y32 = _decode_slot(own + _slot(P + j, slot), scale_off, zero_off, grp, gmask, GS,
-                               BITS, VT, QUANT, QMAX, SCALED)   # unsaturated: every use
+                           BITS, VT, QUANT, QMAX, SCALED, OUTLIER)   # unsaturated: every use
         #                                                         saturates below
         if SCALED:
             y32 = y32 * tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.load(fs_ptr))
@@ -404,13 +434,13 @@ def entry_kernel(x_ptr, m1_ptr, m2_ptr, fs_ptr, epoch_ptr, table_ptr,
                  RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr, BG: tl.constexpr,
                  SG: tl.constexpr, GS: tl.constexpr, VT: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
                  LEVELS: tl.constexpr, QMAX: tl.constexpr, COMP: tl.constexpr,
-                 SCALED: tl.constexpr, LOCAL: tl.constexpr):
+                 SCALED: tl.constexpr, LOCAL: tl.constexpr, OUTLIER: tl.constexpr):
     """grid (tiles, P-1): program (t, i) pushes tile t of segment RANK+1+i (mod P)."""
     j = (RANK + 1 + tl.program_id(1)) % P                 # destination owner, never RANK
     _entry_tile(tl.program_id(0), j, tl.load(epoch_ptr), x_ptr, m1_ptr, m2_ptr, fs_ptr,
                 table_ptr, n, seg, groups, slot, scale_off, zero_off, flags_off, tiles,
                 eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, VT, BITS, QUANT, LEVELS,
-                QMAX, COMP, SCALED, LOCAL)
+                QMAX, COMP, SCALED, LOCAL, OUTLIER)
 
 
 @triton.jit
@@ -421,14 +451,15 @@ def reduce_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, epoch_ptr, tabl
                   SG: tl.constexpr, GS: tl.constexpr, VT: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
                   LEVELS: tl.constexpr, QMAX: tl.constexpr, COMP: tl.constexpr,
                   SCALED: tl.constexpr, LOCAL: tl.constexpr, USE_TIMER: tl.constexpr,
-                  OWN_Y: tl.constexpr, ADD: tl.constexpr, HALF: tl.constexpr):
+                  OWN_Y: tl.constexpr, ADD: tl.constexpr, HALF: tl.constexpr,
+                  OUTLIER: tl.constexpr):
     """grid (tiles,): program t reduces tile t of the own segment (OWN_Y: and writes its y,
     ADD: residual + y); HALF 1: the reduce-scatter's reduce, 2: the all-gather's entry
     (`_reduce_tile`)."""
     _reduce_tile(tl.program_id(0), tl.load(epoch_ptr), x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr,
                  fs_ptr, table_ptr, n, seg, groups, slot, scale_off, zero_off, flags_off, tiles,
                  timeout, eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, VT, BITS,
-                 QUANT, LEVELS, QMAX, COMP, SCALED, LOCAL, USE_TIMER, OWN_Y, ADD, HALF)
+                 QUANT, LEVELS, QMAX, COMP, SCALED, LOCAL, USE_TIMER, OWN_Y, ADD, HALF, OUTLIER)
 
 
 @triton.jit
@@ -439,7 +470,7 @@ def tail_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, epoch_ptr, table_
                 SG: tl.constexpr, GS: tl.constexpr, VT: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
                 QMAX: tl.constexpr, PF: tl.constexpr, COMP: tl.constexpr,
                 SCALED: tl.constexpr, OUTPUT: tl.constexpr, USE_TIMER: tl.constexpr,
-                FIRST: tl.constexpr, ADD: tl.constexpr):
+                FIRST: tl.constexpr, ADD: tl.constexpr, OUTLIER: tl.constexpr):
     """grid (tiles, P - FIRST): program (t, i) decodes tile t of owner RANK+FIRST+i (mod P):
     FIRST=0 every owner, own first; FIRST=1 the others (the reduce wrote the own y).
     ADD: stores residual + y."""
@@ -447,7 +478,7 @@ def tail_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, epoch_ptr, table_
     _tail_tile(tl.program_id(0), j, tl.load(epoch_ptr), x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr,
                fs_ptr, table_ptr, n, seg, groups, slot, scale_off, zero_off, flags_off, tiles,
                timeout, eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, VT, BITS, QUANT,
-               QMAX, PF, COMP, SCALED, OUTPUT, USE_TIMER, ADD)
+               QMAX, PF, COMP, SCALED, OUTPUT, USE_TIMER, ADD, OUTLIER)
 
 
 @triton.jit
@@ -484,7 +515,8 @@ def reduce_tail_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, epoch_ptr,
                        VT: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
                        LEVELS: tl.constexpr, QMAX: tl.constexpr, PF: tl.constexpr, COMP: tl.constexpr,
                        SCALED: tl.constexpr, LOCAL: tl.constexpr, OUTPUT: tl.constexpr,
-                       USE_TIMER: tl.constexpr, OWN_Y: tl.constexpr, ADD: tl.constexpr):
+                       USE_TIMER: tl.constexpr, OWN_Y: tl.constexpr, ADD: tl.constexpr,
+                       OUTLIER: tl.constexpr):
     """Reduce and tail in one launch, overlapped: grid ((NT+1) x tiles,) with NT = P - OWN_Y
     tails per tile, one work item per program, taken in ticket order (`_ticket_item`) from a
     per-rank counter that only grows (ticket = counter++ mod (NT+1) tiles: exactly one per
@@ -503,12 +535,12 @@ def reduce_tail_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, epoch_ptr,
         _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_ptr,
                      n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
                      eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, VT, BITS, QUANT,
-                     LEVELS, QMAX, COMP, SCALED, LOCAL, USE_TIMER, OWN_Y, ADD, 0)
+                     LEVELS, QMAX, COMP, SCALED, LOCAL, USE_TIMER, OWN_Y, ADD, 0, OUTLIER)
     else:
         _tail_tile(t, j, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_ptr,
                    n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
                    eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, VT, BITS, QUANT,
-                   QMAX, PF, COMP, SCALED, OUTPUT, USE_TIMER, ADD)
+                   QMAX, PF, COMP, SCALED, OUTPUT, USE_TIMER, ADD, OUTLIER)
 
 
 @triton.jit
@@ -519,7 +551,8 @@ def fused_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, epochs_ptr, tabl
                  SG: tl.constexpr, GS: tl.constexpr, VT: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
                  LEVELS: tl.constexpr, QMAX: tl.constexpr, PF: tl.constexpr,
                  COMP: tl.constexpr, SCALED: tl.constexpr, LOCAL: tl.constexpr,
-                 OUTPUT: tl.constexpr, USE_TIMER: tl.constexpr, ADD: tl.constexpr):
+                 OUTPUT: tl.constexpr, USE_TIMER: tl.constexpr, ADD: tl.constexpr,
+                 OUTLIER: tl.constexpr):
     """The whole call in one launch (ADD: the tails store residual + y). grid (G,),
     G = min(tiles, programs) with `programs` the same on every rank (p2p: 4 x the group's
     smallest SM count), so program c of each rank handles the same tiles t = c, c+G, ....
@@ -546,14 +579,14 @@ def fused_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, epochs_ptr, tabl
             _entry_tile(t, (RANK + 1 + i) % P, ep, x_ptr, m1_ptr, m2_ptr, fs_ptr,
                         table_ptr, n, seg, groups, slot, scale_off, zero_off, flags_off,
                         tiles, eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, VT,
-                        BITS, QUANT, LEVELS, QMAX, COMP, SCALED, LOCAL)
+                        BITS, QUANT, LEVELS, QMAX, COMP, SCALED, LOCAL, OUTLIER)
         t += G
     t = c
     while t < tiles:
         _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_ptr,
                      n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
                      eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, VT, BITS, QUANT,
-                     LEVELS, QMAX, COMP, SCALED, LOCAL, USE_TIMER, False, False, 0)
+                     LEVELS, QMAX, COMP, SCALED, LOCAL, USE_TIMER, False, False, 0, OUTLIER)
         t += G
     t = c
     while t < tiles:
@@ -561,7 +594,8 @@ def fused_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, epochs_ptr, tabl
             _tail_tile(t, (RANK + i) % P, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr,
                        table_ptr, n, seg, groups, slot, scale_off, zero_off, flags_off,
                        tiles, timeout, eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND,
-                       BG, SG, GS, VT, BITS, QUANT, QMAX, PF, COMP, SCALED, OUTPUT, USE_TIMER, ADD)
+                       BG, SG, GS, VT, BITS, QUANT, QMAX, PF, COMP, SCALED, OUTPUT, USE_TIMER, ADD,
+                       OUTLIER)
         t += G
     tl.debug_barrier()
     tl.store(epochs_ptr + c, ep)

@@ -27,6 +27,7 @@ import triton
 
 from ..compensator import CompState
 from ..config import CompensatorConstants, EchoConfig, QuantSpec
+from ..quant import Packet
 from .allreduce_kernels import (amax_kernel, entry_kernel, fused_kernel, reduce_kernel,
                                 reduce_tail_kernel, tail_kernel)
 from .flags import next_call_kernel
@@ -45,8 +46,9 @@ def _align(v: int, a: int) -> int:
 class Layout:
     """One rank's buffer: receive slots [P(sender)], gather slots [P(owner)], then int64 flags
     recv [P][tiles], gath [P][tiles] and the abort word. A slot holds one segment packet:
-    codes at 0, 16-bit scale words at scale_off, fp16 zeros at zero_off (16-byte aligned
-    regions)."""
+    codes at 0, 16-bit scale words at scale_off, fp16 zeros at zero_off, fp16 outlier words
+    (QuantSpec.outlier) at outlier_off (16-byte aligned regions in quant.to_bytes' order; the
+    kernels find outlier_off from the other two: allreduce_kernels._outlier_off)."""
 
     world_size: int
     seg: int
@@ -56,6 +58,7 @@ class Layout:
     slot: int
     scale_off: int
     zero_off: int
+    outlier_off: int
     flags_off: int
     nbytes: int
 
@@ -70,26 +73,30 @@ class Layout:
             raise ValueError(f"tile_elems {tile_elems} / group_size {g} must be a power of two")
         tiles = -(-groups // bg)
         scale_off = _align(seg * spec.bits // 8, 16)
-        zero_off = scale_off + _align(2 * groups, 16)
-        end = zero_off + (_align(2 * groups, 16) if spec.has_zero else 0)
+        words = _align(2 * groups, 16)                       # one region of 16-bit words
+        zero_off = scale_off + words
+        outlier_off = zero_off + (words if spec.has_zero else 0)
+        end = outlier_off + (words if spec.outlier else 0)
         slot = _align(end, 256)
         flags_off = 2 * world_size * slot
         nbytes = flags_off + 8 * _align(2 * world_size * tiles + 1, 32)
-        return cls(world_size, seg, groups, bg, tiles, slot, scale_off, zero_off, flags_off,
-                   nbytes)
+        return cls(world_size, seg, groups, bg, tiles, slot, scale_off, zero_off, outlier_off,
+                   flags_off, nbytes)
 
     def flag_words(self, buf: torch.Tensor) -> torch.Tensor:
         """The int64 flag words (recv, gath, abort) of a rank's uint8 buffer."""
         return buf[self.flags_off:self.nbytes].view(torch.int64)
 
-    def packet(self, buf: torch.Tensor, region: int, idx: int, spec: QuantSpec):
-        """(codes, scale, zero) views of slot idx of region 0 (receive) or 1 (gather)."""
+    def packet(self, buf: torch.Tensor, region: int, idx: int, spec: QuantSpec) -> Packet:
+        """quant.Packet of views of slot idx of region 0 (receive) or 1 (gather)."""
         base = (region * self.world_size + idx) * self.slot
         codes = buf[base:base + self.seg * spec.bits // 8]
-        scale = buf[base + self.scale_off:base + self.scale_off + 2 * self.groups]
-        zero = buf[base + self.zero_off:base + self.zero_off + 2 * self.groups] \
-            if spec.has_zero else None
-        return codes, scale.view(torch.float16), None if zero is None else zero.view(torch.float16)
+
+        def words(off: int) -> torch.Tensor:
+            return buf[base + off:base + off + 2 * self.groups].view(torch.float16)
+        return Packet(codes, words(self.scale_off),
+                      words(self.zero_off) if spec.has_zero else None,
+                      words(self.outlier_off) if spec.outlier else None)
 
 
 def step_warps(group_size: int, step: int, num_warps: int) -> tuple[int, int]:
@@ -120,7 +127,8 @@ def _static_args(lay: Layout, cfg: EchoConfig, rank: int, dtype: torch.dtype, co
                          "power of two")
     vt, warps = step_warps(spec.group_size, sg * spec.group_size, num_warps)
     meta = dict(RANK=rank, P=lay.world_size, X_KIND=DTYPE_KIND[dtype], BG=lay.bg, SG=sg,
-                GS=ce["GS"], VT=vt, BITS=ce["BITS"], QUANT=ce["QUANT"], num_warps=warps)
+                GS=ce["GS"], VT=vt, BITS=ce["BITS"], QUANT=ce["QUANT"], OUTLIER=ce["OUTLIER"],
+                num_warps=warps)
     local = comp and (half or cfg.residual == "local")
     output = comp and not half and cfg.residual == "output"
     per = {

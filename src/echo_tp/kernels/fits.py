@@ -7,7 +7,8 @@ collective/simulated_fused.py for virtual ones) can run, for each kind of call:
 
     tensor_unfit(x, device)   any fast kernel (the one-shot's too): x on the group's GPU, of a
                               dtype in config.DTYPES, a contiguous 1-D tensor
-    config_unfit(cfg)         the quantized kernels: bits 4 or 8; compensated calls keep their
+    config_unfit(cfg)         the quantized kernels: bits 4 or 8, a packet they can write
+                              (spec_unfit: every QuantSpec today); compensated calls keep their
                               state in a dtype of STATE_DTYPES
     fits(kind, ...)           both, then the call itself: the state tensors of that dtype and
                               x's shape, a residual of x's shape, dtype and device; the halves
@@ -49,9 +50,10 @@ def tensor_unfit(x: torch.Tensor, device: torch.device | None = None) -> str | N
 
 def spec_unfit(spec: QuantSpec) -> str | None:
     """Why the Triton quantizer (quant_kernels) and the stage kernels cannot take a packet of
-    spec (None: they can)."""
-    if spec.outlier:
-        return "outlier words are in the torch reference only (quant.py)"
+    spec (None: they can). They take every QuantSpec: bits 4 and 8, the three policies, any
+    group size, with or without the outlier word (the constexpr OUTLIER; tests/test_kernels.py
+    and tests/test_sharded_kernels.py hold them to quant.py bit for bit). The one-shot kernels
+    (oneshot_kernels.py) never meet a spec: they sum 16-bit values, no quantizer."""
     return None
 
 

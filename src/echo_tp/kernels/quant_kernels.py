@@ -25,7 +25,11 @@ Exactness rules every helper follows (quant.py's docstring is the authority):
   * saturation (quant.clamp_finite / quant.saturate) compares and selects, so NaN passes and
     the interpreter (numpy min/max propagate NaN) and compiled code (PTX min/max drop it) agree.
   * quant.py divides by 0-dim tensors (IEEE on every device; torch on CUDA would turn a Python
-    scalar divisor into a reciprocal multiply), so every division here is div_rn too.
+    scalar divisor into a reciprocal multiply), so every division here is div_rn too;
+  * the outlier word (QuantSpec.outlier) is the constexpr OUTLIER: off, every helper compiles
+    to the code it had before the word existed. On: `_outlier_slots` finds each group's slot
+    and word, `_group_params` leaves the slot out of lo and hi, `_mark` writes the marker code
+    there, `_put_outlier` / `_decode_regs` put the word back on decode.
 """
 from __future__ import annotations
 
@@ -66,9 +70,10 @@ def f32(v: float) -> float:
 
 
 def spec_constexprs(spec: QuantSpec) -> dict:
-    """The quantizer's compile-time constants for a spec."""
+    """The quantizer's compile-time constants for a spec (LEVELS: spec.levels, 2^b - 2 for an
+    asymmetric spec with the outlier word)."""
     return dict(BITS=spec.bits, QUANT=QUANT_CODE[spec.quantizer], GS=spec.group_size,
-                LEVELS=float(spec.levels), QMAX=float(spec.qmax))
+                LEVELS=float(spec.levels), QMAX=float(spec.qmax), OUTLIER=spec.outlier)
 
 
 # ----------------------------------------------------------------------------- tiling
@@ -302,17 +307,27 @@ def _word_scale(w):
 
 
 @triton.jit
-def _group_params(x, QUANT: tl.constexpr, LEVELS: tl.constexpr, QMAX: tl.constexpr):
+def _group_params(x, QUANT: tl.constexpr, LEVELS: tl.constexpr, QMAX: tl.constexpr, slot=None,
+                  OUTLIER: tl.constexpr = False):
     """x fp32 [V, SG, T, 8] -> per group [1, SG, 1, 1]: (scale words int16, sf fp32, z16 fp16,
-    zf fp32, finite bool); the zero outputs are unused for the symmetric policy."""
+    zf fp32, finite bool); the zero outputs are unused for the symmetric policy.
+    OUTLIER: slot (bool [V, SG, T, 8], `_outlier_slots`) is left out of lo and hi
+    (quant.group_params with slots). A slot is only ever set in a finite group, so `finite`
+    reads the same from the other values."""
+    if OUTLIER:
+        xlo = tl.where(slot, float("inf"), x)
+        xhi = tl.where(slot, float("-inf"), x)
+    else:
+        xlo = x
+        xhi = x
     if HW_FORMS:                                         # NaN in the group -> lo, hi NaN
-        lo = _group_min_nan(x)
-        hi = _group_max_nan(x)
+        lo = _group_min_nan(xlo)
+        hi = _group_max_nan(xhi)
         finite = (lo >= -3.4028234663852886e38) & (hi <= 3.4028234663852886e38)
     else:   # the interpreter runs custom reductions element by element in Python: builtins
         finite = _group_min((tl.abs(x) <= 3.4028234663852886e38).to(tl.int32)) > 0
-        lo = _group_min(x)
-        hi = _group_max(x)
+        lo = _group_min(xlo)
+        hi = _group_max(xhi)
     d = tl.maximum(tl.maximum(lo, hi * -1.0), 0.0)    # distance from 0 to [lo, hi]
     if QUANT == 2:
         amax = tl.maximum(tl.abs(lo), tl.abs(hi))
@@ -382,6 +397,83 @@ def _dequant(qf, sf, zf, QUANT: tl.constexpr, QMAX: tl.constexpr, SAT: tl.conste
 
 
 @triton.jit
+def _outlier_slots(x, GS: tl.constexpr, VT: tl.constexpr):
+    """x fp32 [V, SG, T, 8] -> (slot bool [V, SG, T, 8], word fp16 [1, SG, 1, 1]): each group's
+    first largest |value| v where v is an fp16 normal and the group finite (quant.outlier_slots),
+    and its outlier word fp16(v) (round to nearest even; +0.0 where the group takes none).
+    One max of |x| per group, then one min of the key 2*index + sign over the values equal to
+    it: the first index and v's sign in one reduction."""
+    a = tl.abs(x)
+    if HW_FORMS:
+        amax = _group_max_nan(a)                  # NaN in the group -> NaN, Inf -> Inf
+    else:   # the interpreter's tl.max skips NaN: non-finite values count as +inf
+        amax = _group_max(tl.where(a <= 3.4028234663852886e38, a, float("inf")))
+    ok = (amax >= 6.103515625e-05) & (amax <= 65504.0)   # fp16 normal: false for NaN, Inf
+    lane = _lanes(GS, VT)                                 # [V, 1, T, 8]: index in the group
+    key = tl.where(a == amax, lane * 2 + (x < 0.0).to(tl.int32), 2 * GS)
+    k = _group_min(key)                                   # [1, SG, 1, 1]
+    slot = (lane == (k >> 1)) & ok
+    v = tl.where((k & 1) != 0, amax * -1.0, amax)
+    return slot, tl.where(ok, v, 0.0).to(tl.float16)
+
+
+@triton.jit
+def _marker(BITS: tl.constexpr, QUANT: tl.constexpr):
+    """The marker code as an fp32 value (QuantSpec.marker): 2^b - 1 asymmetric, 0 symmetric."""
+    if QUANT == 2:
+        m = 0.0
+    else:
+        m = (1 << BITS) - 1.0
+    return m
+
+
+@triton.jit
+def _mark(t, slot, BITS: tl.constexpr, QUANT: tl.constexpr):
+    """Magic-rounded codes t [V, SG, T, 8] with the marker code at the outlier slots."""
+    return tl.where(slot, KMAGIC + _marker(BITS, QUANT), t)
+
+
+@triton.jit
+def _put_outlier(out, qf, word, BITS: tl.constexpr, QUANT: tl.constexpr):
+    """Decoded values out [V, SG, T, 8] with the outlier word (fp16 [1, SG, 1, 1]) at the
+    slots whose code qf is the marker, in groups whose word is not 0 (quant.decode): a group
+    without an outlier has word 0 and, when finite, no marker code; a NaN group's codes are
+    0, the symmetric marker, and its values stay NaN."""
+    wf = word.to(tl.float32)
+    return tl.where((qf == _marker(BITS, QUANT)) & (wf != 0.0), wf, out)
+
+
+@triton.jit
+def _quantize(x, GS: tl.constexpr, VT: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
+              LEVELS: tl.constexpr, QMAX: tl.constexpr, OUTLIER: tl.constexpr):
+    """x fp32 [V, SG, T, 8] -> (scale words, sf, z16, zf, finite, magic-rounded codes t,
+    slot, word) (quant.encode's arithmetic). OUTLIER: slot and word of `_outlier_slots`, the
+    marker code at the slot; off: slot and word are placeholders (finite, z16), never read."""
+    if OUTLIER:
+        slot, word = _outlier_slots(x, GS, VT)
+        sw, sf, z16, zf, finite = _group_params(x, QUANT, LEVELS, QMAX, slot, True)
+        t = _mark(_codes(x, sf, zf, finite, QUANT, LEVELS, QMAX), slot, BITS, QUANT)
+    else:
+        sw, sf, z16, zf, finite = _group_params(x, QUANT, LEVELS, QMAX)
+        t = _codes(x, sf, zf, finite, QUANT, LEVELS, QMAX)
+        slot = finite
+        word = z16
+    return sw, sf, z16, zf, finite, t, slot, word
+
+
+@triton.jit
+def _decode_regs(t, sf, zf, slot, word, QUANT: tl.constexpr, QMAX: tl.constexpr,
+                 SAT: tl.constexpr, OUTLIER: tl.constexpr):
+    """What a receiver decodes from `_quantize`'s outputs, from registers: `_dequant` of the
+    codes, OUTLIER: the word at the slot (the slot is exactly where `_put_outlier` finds the
+    marker with a nonzero word)."""
+    out = _dequant(t - KMAGIC, sf, zf, QUANT, QMAX, SAT)
+    if OUTLIER:
+        out = tl.where(slot, word.to(tl.float32), out)
+    return out
+
+
+@triton.jit
 def _pack4(t):
     """Magic-rounded codes [V, SG, T, 8] -> uint32 words [V, SG, T], code k in bits 4k..4k+3.
     Each code's bit pattern is 0x4B400000 + code, so sum_k bits_k << 4k (mod 2^32) is the word
@@ -445,6 +537,12 @@ def _store_words(ptr, v, mask):
 
 
 @triton.jit
+def _load_word(ptr, grp, mask):
+    """The fp16 outlier words of groups grp at ptr (fp16*; masked lanes: 0.0, no outlier)."""
+    return tl.load(ptr + grp, mask=mask, other=0.0, cache_modifier=".cg")
+
+
+@triton.jit
 def _load_params(scale_ptr, zero_ptr, grp, mask, QUANT: tl.constexpr):
     """Scale word (fp16-sized, at scale_ptr) and fp16 zero of groups grp -> fp32 (sf, zf)
     (masked lanes: 1.0, 0.0)."""
@@ -461,34 +559,41 @@ def _load_params(scale_ptr, zero_ptr, grp, mask, QUANT: tl.constexpr):
 # ----------------------------------------------------------------------------- standalone kernels
 
 @triton.jit
-def quantize_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, n_groups,
+def quantize_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, n_groups, outlier_ptr,
                     X_KIND: tl.constexpr, BG: tl.constexpr, GS: tl.constexpr, VT: tl.constexpr,
                     BITS: tl.constexpr, QUANT: tl.constexpr, LEVELS: tl.constexpr,
-                    QMAX: tl.constexpr):
+                    QMAX: tl.constexpr, OUTLIER: tl.constexpr):
     """x [n_groups*GS] -> codes (packed at 4 bits), scale words [n_groups] (fp16-sized),
-    fp16 zero [n_groups]; BG groups a program (module tiling)."""
+    fp16 zero [n_groups], OUTLIER: fp16 outlier words [n_groups]; BG groups a program (module
+    tiling)."""
     grp = _groups(tl.program_id(0).to(tl.int64) * BG, BG)           # [1, BG, 1, 1]
     gmask = grp < n_groups
     x = _load_f32(x_ptr + grp * GS + _lanes(GS, VT), gmask, X_KIND)  # [V, BG, T, 8]
-    sw, sf, z16, zf, finite = _group_params(x, QUANT, LEVELS, QMAX)
-    _store_codes(codes_ptr, grp, gmask, _codes(x, sf, zf, finite, QUANT, LEVELS, QMAX), GS,
-                 BITS, VT)
+    sw, sf, z16, zf, finite, t, slot, word = _quantize(x, GS, VT, BITS, QUANT, LEVELS, QMAX,
+                                                       OUTLIER)
+    _store_codes(codes_ptr, grp, gmask, t, GS, BITS, VT)
     _store_words(scale_ptr.to(tl.pointer_type(tl.int16)) + grp, sw, gmask)
     if QUANT != 2:
         _store_words(zero_ptr + grp, z16, gmask)
+    if OUTLIER:
+        _store_words(outlier_ptr + grp, word, gmask)
 
 
 @triton.jit
-def dequantize_kernel(codes_ptr, scale_ptr, zero_ptr, out_ptr, n_groups,
+def dequantize_kernel(codes_ptr, scale_ptr, zero_ptr, out_ptr, n_groups, outlier_ptr,
                       BG: tl.constexpr, GS: tl.constexpr, VT: tl.constexpr, BITS: tl.constexpr,
-                      QUANT: tl.constexpr, QMAX: tl.constexpr):
-    """codes, scale words, fp16 zero -> fp32 out [n_groups*GS] = s * (q - z)."""
+                      QUANT: tl.constexpr, QMAX: tl.constexpr, OUTLIER: tl.constexpr):
+    """codes, scale words, fp16 zero (OUTLIER: and outlier words) -> fp32 out [n_groups*GS] =
+    s * (q - z), the outlier word at a marked slot."""
     grp = _groups(tl.program_id(0).to(tl.int64) * BG, BG)
     gmask = grp < n_groups
     qf = _load_codes(codes_ptr, grp, gmask, GS, BITS, VT)
     sf, zf = _load_params(scale_ptr, zero_ptr, grp, gmask, QUANT)
-    tl.store(out_ptr + grp * GS + _lanes(GS, VT), _dequant(qf, sf, zf, QUANT, QMAX, True),
-             mask=gmask)
+    dst = out_ptr + grp * GS + _lanes(GS, VT)
+    out = _dequant(qf, sf, zf, QUANT, QMAX, True)
+    if OUTLIER:
+        out = _put_outlier(out, qf, _load_word(outlier_ptr, grp, gmask), BITS, QUANT)
+    tl.store(dst, out, mask=gmask)
 
 
 # ----------------------------------------------------------------------------- host wrappers
@@ -513,8 +618,8 @@ def _block_launch(group_size: int) -> dict:
 
 
 def encode(x: torch.Tensor, spec: QuantSpec) -> Packet:
-    """x [..., n] (n a multiple of g; fp32/fp16/bf16) -> Packet, byte-identical to quant.encode
-    (NaN parameters canonical)."""
+    """x [..., n] (n a multiple of g; fp32/fp16/bf16) -> Packet (with outlier words for an
+    outlier spec), byte-identical to quant.encode (NaN parameters canonical)."""
     if x.dtype not in DTYPE_KIND:
         raise ValueError(f"encode supports {list(DTYPE_KIND)}, got {x.dtype}")
     n = x.shape[-1] if x.dim() else 1
@@ -526,14 +631,18 @@ def encode(x: torch.Tensor, spec: QuantSpec) -> Packet:
     codes = torch.empty(xf.numel() * spec.bits // 8, dtype=torch.uint8, device=x.device)
     scale = torch.empty(n_groups, dtype=torch.float16, device=x.device)
     zero = torch.empty(n_groups, dtype=torch.float16, device=x.device) if spec.has_zero else None
+    outlier = torch.empty(n_groups, dtype=torch.float16, device=x.device) \
+        if spec.outlier else None
     blk = _block_launch(spec.group_size)
     if n_groups:
         quantize_kernel[(triton.cdiv(n_groups, blk["BG"]),)](
             xf, codes, scale, zero if zero is not None else scale, n_groups,
+            outlier if outlier is not None else scale,
             X_KIND=DTYPE_KIND[x.dtype], **blk, **spec_constexprs(spec), **LAUNCH_OPTS)
     g_lead = n // spec.group_size
+    words = [None if w is None else w.reshape(*lead, g_lead) for w in (zero, outlier)]
     return Packet(codes.reshape(*lead, n * spec.bits // 8), scale.reshape(*lead, g_lead),
-                  zero.reshape(*lead, g_lead) if zero is not None else None)
+                  *words)
 
 
 def decode(packet: Packet, spec: QuantSpec) -> torch.Tensor:
@@ -542,6 +651,9 @@ def decode(packet: Packet, spec: QuantSpec) -> torch.Tensor:
     if spec.has_zero and packet.zero is None:
         raise ValueError(f"quantizer {spec.quantizer!r} needs a zero-point in the packet")
     zero = packet.zero.contiguous() if spec.has_zero else scale
+    if spec.outlier and (packet.outlier is None or packet.outlier.shape != scale.shape):
+        raise ValueError("a packet of an outlier spec needs its outlier words, one per group")
+    outlier = packet.outlier.contiguous() if spec.outlier else scale
     groups = scale.shape[-1]
     n = groups * spec.group_size
     lead = scale.shape[:-1]
@@ -554,6 +666,6 @@ def decode(packet: Packet, spec: QuantSpec) -> torch.Tensor:
     if n_groups:
         k = spec_constexprs(spec)
         dequantize_kernel[(triton.cdiv(n_groups, blk["BG"]),)](
-            codes, scale, zero, out, n_groups, GS=k["GS"], BITS=k["BITS"],
-            QUANT=k["QUANT"], QMAX=k["QMAX"], **blk, **LAUNCH_OPTS)
+            codes, scale, zero, out, n_groups, outlier, GS=k["GS"], BITS=k["BITS"],
+            QUANT=k["QUANT"], QMAX=k["QMAX"], OUTLIER=k["OUTLIER"], **blk, **LAUNCH_OPTS)
     return out
