@@ -29,6 +29,8 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (ParallelLMHead,
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.platforms import current_platform
 
+from echo_tp.agreement import check_same_config
+from echo_tp.collective.dispatch import build_dispatcher
 from echo_tp.communicator import EchoCommunicator
 from echo_tp.tp.policy import CommSpec
 
@@ -137,8 +139,11 @@ def schedule_of(model: torch.nn.Module, vllm_config, spec: CommSpec) -> Schedule
 
 def _router(tp, spec: CommSpec) -> PassRouter:
     """A PassRouter over an EchoCommunicator on tp's device group; its device communicator's
-    all_reduce replaced by the custom op."""
-    comm = EchoCommunicator.from_group(tp.device_group, spec.config)
+    all_reduce replaced by the custom op. (from_group without its warning about the group's
+    timeout: vLLM's groups wait as vLLM's settings say, the advice to rebuild them is void.)"""
+    group = tp.device_group
+    check_same_config(spec.config, group)
+    comm = EchoCommunicator(build_dispatcher(group), spec.config, group=group)
     dc = tp.device_communicator
     router = PassRouter(comm, functools.partial(_own_all_reduce, type(dc).all_reduce, dc))
     dc.all_reduce = functools.partial(_op(), group=tp.unique_name)
