@@ -106,7 +106,7 @@ def echo_eval(args, work: Path) -> tuple[list[dict], str]:
            *[c for c in args.comms if c != "off"]]
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     subprocess.run(cmd, env=env, check=True)
-    return json.loads(out.read_text())["results"], " ".join(cmd[1:])
+    return json.loads(out.read_text())["results"], " ".join(["PYTHONPATH=src", *cmd])
 
 
 def versions() -> str:
@@ -128,7 +128,7 @@ def record(args, rows: dict, ours: list[dict], eval_cmd: str | None, tokenizer,
     import math
     count = next(iter(rows.values()))["count"]
     lines = [
-        f"# Echo inside vLLM's CPU build, TP=2: {Path(args.model).name} ({args.date})",
+        f"# Echo inside vLLM's CPU build, TP=2: {args.model} ({args.date})",
         "",
         f"Hardware and versions: {versions()}.",
         "",
