@@ -7,7 +7,8 @@ module imports, at the top or inside a function, is compared with the house's on
     (config, quant, compensator, the norm reference, the kernels) nothing above them;
   * imports inside functions are of optional dependencies only: triton (and the package's
     modules that need it: the kernels but fits, the p2p / one-shot / simulated-fused backends,
-    symmetric memory), transformers (echo_tp.hf), megatron-core (echo_tp.megatron).
+    symmetric memory), transformers (echo_tp.hf), megatron-core (echo_tp.megatron), vLLM
+    (echo_tp.vllm.plugin).
 Where to look when it fails: the module and line named; move the shared piece down a floor
 (STYLE.md, "Imports tell the truth") rather than importing it inside a function.
 """
@@ -18,13 +19,14 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 OPTIONAL = ("triton", "transformers", "megatron", "torch.distributed._symmetric_memory",
-            "echo_tp.hf", "echo_tp.megatron", "echo_tp.collective.p2p",
+            "vllm", "echo_tp.hf", "echo_tp.megatron", "echo_tp.vllm.plugin",
+            "echo_tp.collective.p2p",
             "echo_tp.collective.oneshot", "echo_tp.collective.symm",
             "echo_tp.collective.simulated_fused")
 FLOORS = ("echo_tp.config", "echo_tp.quant", "echo_tp.compensator", "echo_tp.norm_reference",
           "echo_tp.kernels")
 ABOVE_FLOORS = ("echo_tp.collective", "echo_tp.communicator", "echo_tp.tp", "echo_tp.models",
-                "echo_tp.hf", "echo_tp.megatron", "echo_tp.eval", "echo_tp.train",
+                "echo_tp.hf", "echo_tp.megatron", "echo_tp.vllm", "echo_tp.eval", "echo_tp.train",
                 "echo_tp.cli", "echo_tp.demo")
 
 

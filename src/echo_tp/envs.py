@@ -7,6 +7,7 @@
     ECHO_COLLECTIVE_TIMEOUT_S seconds, default 300         (collectives of echo-tp's groups)
     ECHO_DEBUG_CHECKS         0 | 1                        (check every call's signature)
     ECHO_CLI_TRACEBACK        0 | 1                        (the CLI prints tracebacks)
+    ECHO_VLLM                 a comm spec, unset = off     (Echo inside vLLM: echo_tp.vllm)
 
 All are for users (the table in docs/usage/collectives.md); test-only switches are fixtures or
 arguments. A bad value raises ValueError naming the flag and what it accepts.
@@ -98,3 +99,12 @@ def oneshot_max_bytes() -> int | None:
                    "a whole number of bytes >= 0")
 
 
+
+
+def vllm_comm() -> str | None:
+    """ECHO_VLLM: the comm spec (tp/policy.py's syntax: 'echo4', '4', '16', 'echo4:eta=0', ...)
+    every TP all-reduce of a vLLM engine runs at, through echo_tp.vllm (the vllm extra's
+    plugin); unset or empty: off, vLLM runs as it would without echo-tp. The spec is parsed at
+    engine start (echo_tp.vllm.comm_spec), a bad one a ValueError naming this flag."""
+    v = os.environ.get("ECHO_VLLM", "").strip()
+    return v or None
