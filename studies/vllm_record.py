@@ -84,6 +84,8 @@ def run_engine(args, spec: str, out: Path) -> dict:
     cmd = [sys.executable, __file__, "--model", args.model, "--data", args.data,
            "--bos-id", str(args.bos_id), "--context", str(args.context),
            "--windows", str(args.windows), "--serve-out", str(out)]
+    if args.reuse and out.is_file():       # an earlier run's engine output for this spec
+        return dict(json.loads(out.read_text()), wall=float("nan"))
     t0 = time.perf_counter()
     log = out.with_suffix(".log")
     with open(log, "w") as f:
@@ -180,6 +182,8 @@ def main() -> None:
                    help="ECHO_VLLM values; off: unset")
     p.add_argument("--out", help="the markdown record (default: print it)")
     p.add_argument("--work", default="out/vllm_record", help="engine outputs and logs")
+    p.add_argument("--reuse", action="store_true",
+                   help="take the engine outputs already in --work (delete a spec's JSON to re-run it)")
     p.add_argument("--echo-eval", metavar="PYTHON",
                    help="a Python with echo-tp's hf extra: add `echo-tp eval`'s figures")
     p.add_argument("--serve-out", help=argparse.SUPPRESS)

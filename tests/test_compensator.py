@@ -293,7 +293,8 @@ def test_fp16_sum_near_fp16_max_stays_finite(mode, P):
         y = sim.all_reduce(x)[0]
         assert torch.isfinite(y).all(), call
         assert float(y.float().abs().max()) <= 65504.0
-        assert float((y.double() - exact).abs().max()) <= 66000 / 15, call   # one step
+        step = 66000 / sim.config.quant_spec().levels
+        assert float((y.double() - exact).abs().max()) <= 1.1 * step, call   # ~one step
         st = sim.state()
         assert torch.isfinite(st.m1).all() and torch.isfinite(st.m2).all(), call
 
@@ -307,16 +308,20 @@ def test_all_reduce_error_is_scale_invariant(dtype, scale):
     P = 4
     g = torch.Generator().manual_seed(SEED + 15)
     base = torch.randn(P, 4096, generator=g)
-    cfg = two_timescale(bits=4, eta=0.0)
+    paper = two_timescale(bits=4, eta=0.0, outlier=False)
 
-    def rel(x):
+    def rel(x, cfg):
         y = SimulatedCommunicator(P, cfg).all_reduce(x)[0].double()
         exact = x.double().sum(0)
         return float((y - exact).norm() / exact.norm())
 
-    ref = rel(base.to(dtype))
+    ref = rel(base.to(dtype), paper)
     assert ref < 0.2
-    assert rel((base * scale).to(dtype)) <= ref * 1.05 + 1e-3
+    assert rel((base * scale).to(dtype), paper) <= ref * 1.05 + 1e-3
+    # the outlier word holds fp16 values: beyond fp16's normal range a group falls back to
+    # its grid (L = 14 codes: one step 15/14 of the paper's), never to a worse answer
+    word = paper.replace(outlier=True)
+    assert rel((base * scale).to(dtype), word) <= ref * 1.15 + 1e-3
 
 
 def test_values_near_fp32_max_saturate_and_stay_finite():

@@ -15,6 +15,8 @@ Compared:
 - PassRouter over a real EchoCommunicator on 2 gloo ranks: a forward's echo4 results equal the
   same calls made by hand in a pass_scope at the schedule's widths, bit for bit, and a second
   forward of the same inputs repeats them (fresh compensator state per forward).
+- Post-norm families: the calls of sites behind a norm carry it (NormOutput), the embedding's
+  none.
 Where to look first: Schedule.build (numbering, widths), PassRouter.forward / all_reduce.
 """
 import contextlib
@@ -113,9 +115,10 @@ class Recorder:
         finally:
             self.open = False
 
-    def all_reduce(self, x, *, bits=None):
+    def all_reduce(self, x, *, bits=None, output_map=None):
         assert self.open
         self.log.append(bits)
+        self.maps = getattr(self, "maps", []) + [output_map]
         return x + 1
 
 
@@ -151,6 +154,27 @@ def test_router_passes_and_widths(caplog):
         router.forward(s, broken, x)
     assert router.schedule is None and not comm.open
     assert torch.equal(router.forward(s, forward, x), x + s.calls)
+
+
+def test_post_norm_sites_pass_their_norm():
+    """A post-norm family (Gemma's sandwich norms): each site's call carries the norm after it
+    as a NormOutput (the error feedback's map into the residual stream); the embedding none."""
+    norms = {site: torch.nn.RMSNorm(8) for site in range(2 * L)}
+    spec = parse_comm_spec("echo4")
+    s = Schedule.build(model="Gemma", modules=llama_modules(), n_layers=L, plan=spec.widths,
+                       bits=spec.config.bits, norms=norms)
+    assert s.norms == (None, *[norms[i] for i in range(2 * L)])
+    assert schedule().norms == ()
+    comm = Recorder()
+    router = PassRouter(comm, fallback=None)
+
+    def forward(x):
+        for _ in range(s.calls):
+            x = router.all_reduce(x)
+        return x
+    router.forward(s, forward, torch.zeros(2, 8))
+    assert comm.maps[0] is None
+    assert all(m is not None and torch.equal(m.gain, torch.ones(8)) for m in comm.maps[1:])
 
 
 def _real_ranks(rank, world):

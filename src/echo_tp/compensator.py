@@ -179,8 +179,11 @@ class NormOutput:
     @torch.no_grad()
     def from_module(cls, norm: torch.nn.Module, hidden: int) -> "NormOutput":
         """The map of an RMS-type norm module (its own forward on a row of ones)."""
-        eps = float(getattr(norm, "eps", getattr(norm, "variance_epsilon", 1e-6)))
         p = next(norm.parameters(), None)
+        eps = getattr(norm, "eps", getattr(norm, "variance_epsilon", None))
+        if eps is None:                # torch.nn.RMSNorm's default: its dtype's epsilon
+            eps = torch.finfo(p.dtype if p is not None else torch.float32).eps
+        eps = float(eps)
         ones = torch.ones(1, hidden, device=p.device if p is not None else "cpu",
                           dtype=p.dtype if p is not None else torch.float32)
         out = norm(ones).float().reshape(hidden) * float((1.0 + eps) ** 0.5)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from echo_tp import envs
+from echo_tp.compensator import NormOutput
 from echo_tp.tp.plan import SITES_PER_LAYER
 from echo_tp.tp.policy import CommSpec, WidthPlan, parse_comm_spec, site_width, telemetry_budget
 
@@ -71,13 +72,17 @@ class Schedule:
     """The first call of a forward is the vocab-parallel embedding's."""
     widths: tuple
     """Per call of a forward: 16 for the embedding, the site's width (None: the config's)."""
+    norms: tuple = ()
+    """Per call of a forward: the norm its sum passes before the residual add (post-norm
+    families, hf/plan.OUTPUT_NORMS), or None; () where no site has one."""
 
     @classmethod
     def build(cls, *, model: str, modules: Sequence[tuple[str, str]], n_layers: int,
-              plan: WidthPlan, bits: int) -> "Schedule":
+              plan: WidthPlan, bits: int, norms: dict | None = None) -> "Schedule":
         """The schedule of a model whose all-reducing modules are `modules`, (name, kind) in
         registration order (kind EMBEDDING or REDUCE), under the width rules `plan` of a config
-        at `bits`. ValueError, with the reason, where the calls cannot be numbered as sites."""
+        at `bits`; norms: site -> the norm module after it (post-norm families). ValueError,
+        with the reason, where the calls cannot be numbered as sites."""
         kinds = [k for _, k in modules]
         reducers = [n for n, k in modules if k == REDUCE]
         embedding = EMBEDDING in kinds
@@ -95,8 +100,11 @@ class Schedule:
         resolved = plan.resolved(n_layers)
         sites = tuple(site_width(resolved, s, bits=bits, n_layers=n_layers)
                       for s in range(len(reducers)))
+        lead = (None,) if embedding else ()
+        per_site = tuple((norms or {}).get(s) for s in range(len(reducers)))
         return cls(model=model, n_layers=n_layers, embedding=embedding,
-                   widths=((16,) if embedding else ()) + sites)
+                   widths=((16,) if embedding else ()) + sites,
+                   norms=lead + per_site if any(n is not None for n in per_site) else ())
 
     @property
     def calls(self) -> int:
@@ -163,8 +171,10 @@ class PassRouter:
         if self.calls == schedule.calls:
             raise RuntimeError(self._miscount(schedule, f"more than {schedule.calls}"))
         width = schedule.widths[self.calls]
+        norm = schedule.norms[self.calls] if schedule.norms else None
         self.calls += 1
-        return self.comm.all_reduce(x, bits=width)
+        omap = None if norm is None else NormOutput.from_module(norm, x.shape[-1])
+        return self.comm.all_reduce(x, bits=width, output_map=omap)
 
     @staticmethod
     def _miscount(schedule: Schedule, made: str) -> str:

@@ -32,6 +32,8 @@ from vllm.platforms import current_platform
 from echo_tp.agreement import check_same_config
 from echo_tp.collective.dispatch import build_dispatcher
 from echo_tp.communicator import EchoCommunicator
+from echo_tp.hf.plan import OUTPUT_NORMS
+from echo_tp.tp.plan import SITES_PER_LAYER
 from echo_tp.tp.policy import CommSpec
 
 from .passes import EMBEDDING, REDUCE, PassRouter, Schedule
@@ -118,6 +120,25 @@ def attach(model: torch.nn.Module, vllm_config, spec: CommSpec) -> None:
              list(schedule.widths), spec.config.bits)
 
 
+def output_norms(model: torch.nn.Module, reducers: list[str], model_type) -> dict:
+    """Site -> the norm module its sum passes before the residual add, for the post-norm
+    families of hf/plan.OUTPUT_NORMS (vLLM's decoder layers use transformers' attribute
+    names): the layer of reducer 2l + slot is the reducer's parent layer module."""
+    names = OUTPUT_NORMS.get(model_type)
+    if names is None:
+        return {}
+    out = {}
+    for site, name in enumerate(reducers):
+        parts = name.split(".")
+        layer = model.get_submodule(".".join(parts[:[p.isdigit() for p in parts].index(True) + 1]))
+        norm = getattr(layer, names[site % SITES_PER_LAYER], None)
+        if norm is None:
+            raise ValueError(f"{type(layer).__name__} has no {names[site % SITES_PER_LAYER]}, "
+                             "which its family's output-norm entry names")
+        out[site] = norm
+    return out
+
+
 def schedule_of(model: torch.nn.Module, vllm_config, spec: CommSpec) -> Schedule:
     """The model's Schedule: its TP-reducing modules in registration order."""
     modules = []
@@ -131,7 +152,9 @@ def schedule_of(model: torch.nn.Module, vllm_config, spec: CommSpec) -> Schedule
         return Schedule.build(
             model=type(model).__name__, modules=modules,
             n_layers=vllm_config.model_config.get_num_layers(vllm_config.parallel_config),
-            plan=spec.widths, bits=spec.config.bits)
+            plan=spec.widths, bits=spec.config.bits,
+            norms=output_norms(model, [n for n, k in modules if k == REDUCE],
+                               getattr(vllm_config.model_config.hf_config, "model_type", None)))
     except ValueError as e:
         raise ValueError(f"echo-tp: ECHO_VLLM={spec.label!r} does not cover this model's TP "
                          f"all-reduces: {e}. Unset ECHO_VLLM to serve it without Echo") from None
