@@ -50,7 +50,7 @@ class IdentityComm:
     def __init__(self, world_size: int):
         self.world_size = world_size
 
-    def all_reduce(self, x, *, direction="forward", bits=None, inplace=False):
+    def all_reduce(self, x, *, direction="forward", bits=None, inplace=False, output_map=None):
         return x
 
     def new_pass(self, direction="forward"):

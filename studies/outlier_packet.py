@@ -20,6 +20,7 @@ format); then `echo_tp.eval.perplexity.main` with the given options. Rows are la
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -44,9 +45,16 @@ class OutlierPacket(NamedTuple):
     index: torch.Tensor      # int16 [..., G], its place in the group
 
 
+def _paper(spec: QuantSpec) -> QuantSpec:
+    """The spec's grid without the library's own outlier word (this study's packet carries
+    its kept value and index itself)."""
+    return dataclasses.replace(spec, outlier=False)
+
+
 def encode(x: torch.Tensor, spec: QuantSpec) -> OutlierPacket:
     """x [..., n] -> OutlierPacket. Unfused equivalent: quant.encode of x with each group's
     argmax |x| replaced by the mean of the rest, plus (value, index)."""
+    spec = _paper(spec)
     xg = quant._as_groups(x, spec)                                   # [..., G, g] fp32
     idx = torch.nan_to_num(xg, nan=0.0).abs().argmax(-1, keepdim=True)
     top = xg.gather(-1, idx)
@@ -59,6 +67,7 @@ def encode(x: torch.Tensor, spec: QuantSpec) -> OutlierPacket:
 
 def decode(packet: OutlierPacket, spec: QuantSpec) -> torch.Tensor:
     """OutlierPacket -> fp32 [..., n]: the group decoded, the kept value at its index."""
+    spec = _paper(spec)
     y = quant.decode(quant.Packet(packet.codes, packet.scale, packet.zero), spec)
     yg = y.reshape(*y.shape[:-1], -1, spec.group_size)
     yg = yg.scatter(-1, packet.index.long()[..., None], packet.value.float()[..., None])
@@ -77,6 +86,7 @@ def to_bytes(p) -> torch.Tensor:
 
 
 def from_bytes(buf: torch.Tensor, n: int, spec: QuantSpec) -> OutlierPacket:
+    spec = _paper(spec)
     groups = n // spec.group_size
     head = buf.shape[-1] - 4 * groups
     p = _plain_from_bytes(buf[..., :head], n, spec)

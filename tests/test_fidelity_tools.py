@@ -101,8 +101,10 @@ def _rows(errs, y_sq=None):
 
 
 def test_telemetry_policy_widens_the_worst_sites_within_budget():
-    cfg = EchoConfig(bits=4)                         # g=128: 4.25 bits/value, 8-bit 8.25
+    cfg = EchoConfig(bits=4, outlier=False)          # g=128: 4.25 bits/value, 8-bit 8.25
     assert wire_bits_per_value(cfg, None) == 4.25 and wire_bits_per_value(cfg, 8) == 8.25
+    word = EchoConfig(bits=4)                        # the outlier word: +16 bits a group
+    assert wire_bits_per_value(word, None) == 4.375 and wire_bits_per_value(word, 8) == 8.375
     assert wire_bits_per_value(cfg, 16) == 16.0
     errs = [1.0, 9.0, 2.0, 7.0, 3.0, 0.5, 0.1, 4.0]
     table = telemetry_policy(_rows(errs), 5.25, cfg)  # room for 2 of 8 sites at 8 bits
@@ -172,7 +174,7 @@ def test_eval_reports_gap_intervals_last_word_and_telemetry_policy(tmp_path):
     model = tmp_path / "tiny-8k.json"                  # the gutenberg-8k vocabulary
     model.write_text(json.dumps({"preset": "tiny-qwen3", "vocab_size": 8192}))
     rows = eval_main(model=str(model), data=str(tmp_path / "val.bin"),
-                     comms=["16", "4", "echo4", "echo4:policy=telemetry@5.25"], context=64,
+                     comms=["16", "4", "echo4", "echo4:policy=telemetry@5.375"], context=64,
                      batch_size=4, max_windows=12, simulate=2, progress=False, bos=True,
                      last_word=True, calibration_windows=2, out=str(out))
     assert [r["label"] for r in rows][:2] == ["16", "4"]
@@ -181,10 +183,11 @@ def test_eval_reports_gap_intervals_last_word_and_telemetry_policy(tmp_path):
     assert [len(r["window_nll"]) for r in rows] == [12] * 4
     assert math.exp(sum(rows[2]["window_nll"]) / rows[2]["tokens"]) == pytest.approx(
         rows[2]["ppl"])
-    assert rows[0]["wire_bits"] == 16.0 and rows[2]["wire_bits"] == 4.25 + 4 / 2  # edge sites
+    # echo4: the outlier word (4.375 bits), the edge sites at 8 (8.375): 2 of 4 sites
+    assert rows[0]["wire_bits"] == 16.0 and rows[2]["wire_bits"] == (4.375 + 8.375) / 2
     tel = rows[3]
-    # 2 layers = 4 sites: 5.25 bits per value leave room for one at 8 bits
-    assert tel["wire_bits"] == 5.25 and list(tel["policy_table"].values()).count(8) == 1
+    # 2 layers = 4 sites: 5.375 bits per value leave room for one at 8 bits (4.375 / 8.375)
+    assert tel["wire_bits"] == 5.375 and list(tel["policy_table"].values()).count(8) == 1
     assert tel["calibration"]["windows"] == 2
     assert all(r["last_word_targets"] == rows[0]["last_word_targets"] > 10 for r in rows)
     assert rows[0]["last_word_diff_pts"] == 0.0
@@ -233,7 +236,7 @@ def test_eval_sequence_parallel(tmp_path):
     # the reduce-scatter and the all-gather move the same values. 2 layers: echo4's sites 0
     # and 3 at edge_bits 8 (its reduce-scatters average 6.25 bits), its gathers at gather_bits 8
     # (gather_bits=0: each site's width); naive '4' at 4 everywhere
-    assert [r["wire_bits"] for r in sp] == [16.0, 4.25, (6.25 + 8.25) / 2, 6.25]
+    assert [r["wire_bits"] for r in sp] == [16.0, 4.25, (6.375 + 8.375) / 2, 6.375]
     with pytest.raises(ValueError, match="divisible"):
         eval_main(comms=["16"], sequence_parallel=True, **{**kw, "context": 64})
     with pytest.raises(ValueError, match="names no tokenizer"):   # no tokenizer to read words

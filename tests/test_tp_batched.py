@@ -71,8 +71,8 @@ def recorded(comm) -> list:
     calls = []
     real = comm._all_reduce
 
-    def spy(x, direction, bits, inplace, boundary=None):
-        r = real(x, direction, bits, inplace, boundary)
+    def spy(x, direction, bits, inplace, boundary=None, output_map=None):
+        r = real(x, direction, bits, inplace, boundary, output_map=output_map)
         calls.append((direction, bits, x.clone(), r.out.clone()))
         return r
     comm._all_reduce = spy

@@ -32,8 +32,8 @@ PPL_CONFIGS = ["16", "8", "4", "echo4-output", "echo4"]
 
 DEMO_CONFIGS = {
     "16-bit": EchoConfig(bits=16),
-    "8-bit": EchoConfig(bits=8, eta=0.0),
-    "4-bit (no compensation)": EchoConfig(bits=4, eta=0.0),
+    "8-bit": EchoConfig.from_name("8"),                   # naive: the paper's packet
+    "4-bit (no compensation)": EchoConfig.from_name("4"),
     "Echo 4-bit (paper: output, eta .75)": EchoConfig.from_name("echo4-output"),
     "Echo 4-bit (default: local, eta 1)": EchoConfig(bits=4),
 }
