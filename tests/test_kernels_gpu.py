@@ -207,21 +207,40 @@ FUSED = [
 ]
 
 
-@pytest.mark.parametrize("case", FUSED, ids=lambda c: "-".join(map(str, c)))
-@pytest.mark.parametrize("tile", [1024, 2048])
-def test_simulated_fused_matches_torch_reference_on_gpu(case, tile, torch_quantizer):
-    from echo_tp.collective.qar import compensated_all_reduce
-    from echo_tp.collective.simulated import SimTransport
+def _fused_pair(case, n, tile, **cfg_kw):
+    """A FUSED case's config and its two runs: (cfg, st, st_r, sim): the compiled stage
+    kernels' state st and SimulatedFused sim, the torch reference's state st_r."""
     from echo_tp.compensator import CompState
     from echo_tp.collective.simulated_fused import SimulatedFused
     P, bits, qz, resid, dtype, backward, sdt, compact = case
     betas = dict(beta1=0.5, beta2=0.5) if compact else {}
-    cfg = two_timescale(bits=bits, quantizer=qz, residual=resid, state_dtype=sdt, **betas)
-    n = 300_017
+    cfg = two_timescale(bits=bits, quantizer=qz, residual=resid, state_dtype=sdt, **betas,
+                        **cfg_kw)
     sdtype = getattr(torch, sdt)
     st = CompState.zeros((P, n), "cuda", sdtype, compact=compact)
     st_r = CompState.zeros((P, n), "cuda", sdtype, compact=compact)
-    sim = SimulatedFused(P, tile_elems=tile, timeout_polls=10**7)
+    return cfg, st, st_r, SimulatedFused(P, tile_elems=tile, timeout_polls=10**7)
+
+
+def _fused_call(x, cfg, st, st_r, sim, backward, call):
+    """One call on both paths: y and the state bit for bit; returns y."""
+    from echo_tp.collective.qar import compensated_all_reduce
+    from echo_tp.collective.simulated import SimTransport
+    y_r, _ = compensated_all_reduce(x, cfg, SimTransport(x.shape[0]), state=st_r,
+                                    backward=backward)
+    y = sim(x, cfg, state=st, backward=backward)
+    assert not bits_differ(y, y_r).any(), (call, "y", int(bits_differ(y, y_r).sum()))
+    assert not bits_differ(st.m1, st_r.m1).any(), (call, "m1")
+    assert not bits_differ(st.m2, st_r.m2).any(), (call, "m2")
+    return y
+
+
+@pytest.mark.parametrize("case", FUSED, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("tile", [1024, 2048])
+def test_simulated_fused_matches_torch_reference_on_gpu(case, tile, torch_quantizer):
+    P, dtype, backward = case[0], case[4], case[5]
+    n = 300_017
+    cfg, st, st_r, sim = _fused_pair(case, n, tile)
     gen = torch.Generator(device="cuda").manual_seed(hash(case) % 1000 + tile)
     for call in range(3):
         x = torch.randn(P, n, device="cuda", generator=gen)
@@ -232,36 +251,19 @@ def test_simulated_fused_matches_torch_reference_on_gpu(case, tile, torch_quanti
         if backward:
             x *= 1e-7
         x = x.to(getattr(torch, dtype))
-        y_r, _ = compensated_all_reduce(x, cfg, SimTransport(P), state=st_r, backward=backward)
-        y = sim(x, cfg, state=st, backward=backward)
-        assert not bits_differ(y, y_r).any(), (call, "y", int(bits_differ(y, y_r).sum()))
-        assert not bits_differ(st.m1, st_r.m1).any(), (call, "m1")
-        assert not bits_differ(st.m2, st_r.m2).any(), (call, "m2")
+        _fused_call(x, cfg, st, st_r, sim, backward, call)
 
 
 @pytest.mark.parametrize("case", FUSED[:4] + FUSED[5:], ids=lambda c: "-".join(map(str, c)))
 def test_simulated_fused_edge_calls_match_torch_reference_on_gpu(case, torch_quantizer):
     """Issue 15 on the compiled kernels: huge/tiny groups, fp16 sums near 65504, values near
     the dtype's max, NaN/Inf then clean calls; y and the state bit for bit, the state finite."""
-    from echo_tp.collective.qar import compensated_all_reduce
-    from echo_tp.collective.simulated import SimTransport
-    from echo_tp.compensator import CompState
-    from echo_tp.collective.simulated_fused import SimulatedFused
-    P, bits, qz, resid, dtype, backward, sdt, compact = case
-    betas = dict(beta1=0.5, beta2=0.5) if compact else {}
-    cfg = two_timescale(bits=bits, quantizer=qz, residual=resid, state_dtype=sdt, **betas)
+    P, dtype, backward = case[0], case[4], case[5]
     n = 40_000 + 37 * P
-    sdtype = getattr(torch, sdt)
-    st = CompState.zeros((P, n), "cuda", sdtype, compact=compact)
-    st_r = CompState.zeros((P, n), "cuda", sdtype, compact=compact)
-    sim = SimulatedFused(P, tile_elems=1024, timeout_polls=10**7)
+    cfg, st, st_r, sim = _fused_pair(case, n, 1024)
     for call in range(5):
         x = edge_input(P, n, getattr(torch, dtype), call, seed=90 + P).cuda()
-        y_r, _ = compensated_all_reduce(x, cfg, SimTransport(P), state=st_r, backward=backward)
-        y = sim(x, cfg, state=st, backward=backward)
-        assert not bits_differ(y, y_r).any(), (call, "y", int(bits_differ(y, y_r).sum()))
-        assert not bits_differ(st.m1, st_r.m1).any(), (call, "m1")
-        assert not bits_differ(st.m2, st_r.m2).any(), (call, "m2")
+        y = _fused_call(x, cfg, st, st_r, sim, backward, call)
         assert torch.isfinite(st.m1).all() and torch.isfinite(st.m2).all(), call
         if call != 1:
             assert torch.isfinite(y).all(), call
@@ -286,19 +288,9 @@ def test_simulated_fused_outlier_matches_torch_reference_on_gpu(case, tile, torc
     with the torch quantizer: 4 calls (harness.outlier_groups without NaN/Inf, then with them;
     randn with massive channels x3000; the issue-15 call with huge groups, NaN and Inf), y
     and the state bit for bit after each, the state finite, y finite without NaN/Inf input."""
-    from echo_tp.collective.qar import compensated_all_reduce
-    from echo_tp.collective.simulated import SimTransport
-    from echo_tp.compensator import CompState
-    from echo_tp.collective.simulated_fused import SimulatedFused
-    P, bits, qz, resid, dtype, backward, sdt, compact = case
-    betas = dict(beta1=0.5, beta2=0.5) if compact else {}
-    cfg = two_timescale(bits=bits, quantizer=qz, residual=resid, state_dtype=sdt, outlier=True,
-                        **betas)
+    P, bits, dtype, backward = case[0], case[1], case[4], case[5]
     n, dt = 100_003, getattr(torch, dtype)
-    sdtype = getattr(torch, sdt)
-    st = CompState.zeros((P, n), "cuda", sdtype, compact=compact)
-    st_r = CompState.zeros((P, n), "cuda", sdtype, compact=compact)
-    sim = SimulatedFused(P, tile_elems=tile, timeout_polls=10**7)
+    cfg, st, st_r, sim = _fused_pair(case, n, tile, outlier=True)
     gen = torch.Generator(device="cuda").manual_seed(31 * P + bits + tile)
     for call in range(4):
         if call < 2:
@@ -313,11 +305,7 @@ def test_simulated_fused_outlier_matches_torch_reference_on_gpu(case, tile, torc
             x = edge_input(P, n, dt, 1, seed=95 + P).cuda()
         if backward:
             x = (x.float() * 1e-7).to(dt)
-        y_r, _ = compensated_all_reduce(x, cfg, SimTransport(P), state=st_r, backward=backward)
-        y = sim(x, cfg, state=st, backward=backward)
-        assert not bits_differ(y, y_r).any(), (call, "y", int(bits_differ(y, y_r).sum()))
-        assert not bits_differ(st.m1, st_r.m1).any(), (call, "m1")
-        assert not bits_differ(st.m2, st_r.m2).any(), (call, "m2")
+        y = _fused_call(x, cfg, st, st_r, sim, backward, call)
         assert torch.isfinite(st.m1).all() and torch.isfinite(st.m2).all(), call
         if call in (0, 2):
             assert torch.isfinite(y).all(), call

@@ -31,6 +31,20 @@ def _write(writer, tensors: dict) -> None:
     writer.close()
 
 
+def _writer(path, arch: str, eps: float) -> gguf.GGUFWriter:
+    """A GGUFWriter for `arch` with the tiny model's shared hyperparameters written."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(128)
+    writer.add_embedding_length(H)
+    writer.add_feed_forward_length(FF)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(eps)
+    return writer
+
+
 def write_tiny_llama(path) -> None:
     """SmolLM2's layout: GPT-2 byte-level BPE (tokenizer.ggml.model 'gpt2'), <|endoftext|> = 0,
     no output.weight (tied embeddings), llama.cpp's tensor names."""
@@ -39,16 +53,8 @@ def write_tiny_llama(path) -> None:
     tokens = ["<|endoftext|>", *bytes_to_unicode().values(), *("".join(m.split()) for m in merges)]
     vocab = len(tokens)
     w = _weights(np.random.default_rng(0))
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(LAYERS)
-    writer.add_context_length(128)
-    writer.add_embedding_length(H)
-    writer.add_feed_forward_length(FF)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
+    writer = _writer(path, "llama", 1e-5)
     writer.add_rope_dimension_count(HEAD_DIM)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(vocab)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("smollm")
@@ -83,18 +89,10 @@ def write_tiny_gemma3(path) -> None:
     tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "▁", *letters, *pieces]
     vocab = len(tokens)
     w = _weights(np.random.default_rng(1))
-    writer = gguf.GGUFWriter(str(path), "gemma3")
-    writer.add_block_count(LAYERS)
-    writer.add_context_length(128)
-    writer.add_embedding_length(H)
-    writer.add_feed_forward_length(FF)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
+    writer = _writer(path, "gemma3", 1e-6)
     writer.add_key_length(HEAD_DIM)
     writer.add_value_length(HEAD_DIM)
-    writer.add_rope_freq_base(10000.0)
     writer.add_sliding_window(8)
-    writer.add_layer_norm_rms_eps(1e-6)
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
