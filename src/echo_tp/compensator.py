@@ -144,7 +144,6 @@ def mean_age(cfg: EchoConfig, terms: int = 4096) -> float:
 
 # ----- sites whose output reaches the residual stream through a norm -----
 
-@dataclass(frozen=True, eq=False)
 class NormOutput:
     """A forward site whose reduced output y [rows, H] reaches the residual stream as an RMS
     norm of it, gain * y / rms(y) (the 'post-norms' of Gemma 2/3 and OLMo 2), instead of y itself.
@@ -167,27 +166,39 @@ class NormOutput:
     unbounded share. Pre-norm sites (no map) keep the plain update, bit for bit.
 
     gain [H] fp32: the norm's output for a row of ones times sqrt(1 + eps) (any RMS-type norm:
-    `from_module`)."""
-
-    gain: torch.Tensor
-    eps: float
+    `from_module`, which reads it on first use, so a call that applies no feedback, at 16 bits
+    or uncompensated, never runs the norm)."""
 
     FLOOR = 0.1
     """Gains below this fraction of their rms take a damped share of a correction."""
 
+    def __init__(self, gain: torch.Tensor | None = None, eps: float = 1e-6, *,
+                 norm: torch.nn.Module | None = None, hidden: int | None = None):
+        if (gain is None) == (norm is None):
+            raise ValueError("NormOutput takes a gain [H] or a norm module (from_module)")
+        self._gain, self._norm, self._hidden = gain, norm, hidden
+        self.eps = float(eps)
+
     @classmethod
-    @torch.no_grad()
     def from_module(cls, norm: torch.nn.Module, hidden: int) -> "NormOutput":
-        """The map of an RMS-type norm module (its own forward on a row of ones)."""
+        """The map of an RMS-type norm module (its gain read on first use)."""
         p = next(norm.parameters(), None)
         eps = getattr(norm, "eps", getattr(norm, "variance_epsilon", None))
         if eps is None:                # torch.nn.RMSNorm's default: its dtype's epsilon
             eps = torch.finfo(p.dtype if p is not None else torch.float32).eps
-        eps = float(eps)
-        ones = torch.ones(1, hidden, device=p.device if p is not None else "cpu",
-                          dtype=p.dtype if p is not None else torch.float32)
-        out = norm(ones).float().reshape(hidden) * float((1.0 + eps) ** 0.5)
-        return cls(gain=out.contiguous(), eps=eps)
+        return cls(eps=eps, norm=norm, hidden=hidden)
+
+    @property
+    @torch.no_grad()
+    def gain(self) -> torch.Tensor:
+        """[H] fp32 (the class docstring)."""
+        if self._gain is None:
+            p = next(self._norm.parameters(), None)
+            ones = torch.ones(1, self._hidden, device=p.device if p is not None else "cpu",
+                              dtype=p.dtype if p is not None else torch.float32)
+            out = self._norm(ones).float().reshape(self._hidden)
+            self._gain = (out * float((1.0 + self.eps) ** 0.5)).contiguous()
+        return self._gain
 
     def _rows(self, t: torch.Tensor) -> torch.Tensor:
         return t.reshape(*t.shape[:-1], -1, self.gain.shape[0])
