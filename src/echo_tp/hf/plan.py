@@ -72,11 +72,18 @@ norms'): model_type -> the layer's (attention output norm, MLP output norm) attr
 def output_norms(model: nn.Module) -> dict[int, nn.Module]:
     """Static forward site (2l: layer l's attention, 2l+1: its MLP) -> the norm module its
     all-reduced output passes before the residual add; {} for pre-norm families."""
-    names = OUTPUT_NORMS.get(getattr(text_config(model), "model_type", None))
+    return layer_output_norms(list(model.base_model.layers),
+                              getattr(text_config(model), "model_type", None))
+
+
+def layer_output_norms(layers: list[nn.Module], model_type: str | None) -> dict[int, nn.Module]:
+    """output_norms over decoder layer modules in order (transformers' attribute names, which
+    vLLM's decoder layers share): site 2l + slot -> layers[l]'s OUTPUT_NORMS[model_type][slot]."""
+    names = OUTPUT_NORMS.get(model_type)
     if names is None:
         return {}
     out = {}
-    for i, layer in enumerate(model.base_model.layers):
+    for i, layer in enumerate(layers):
         for slot, attr in enumerate(names):
             norm = getattr(layer, attr, None)
             if norm is None:

@@ -32,7 +32,7 @@ from vllm.platforms import current_platform
 from echo_tp.agreement import check_same_config
 from echo_tp.collective.dispatch import build_dispatcher
 from echo_tp.communicator import EchoCommunicator
-from echo_tp.hf.plan import OUTPUT_NORMS
+from echo_tp.hf.plan import OUTPUT_NORMS, layer_output_norms
 from echo_tp.tp.plan import SITES_PER_LAYER
 from echo_tp.tp.policy import CommSpec
 
@@ -120,23 +120,24 @@ def attach(model: torch.nn.Module, vllm_config, spec: CommSpec) -> None:
              list(schedule.widths), spec.config.bits)
 
 
-def output_norms(model: torch.nn.Module, reducers: list[str], model_type) -> dict:
-    """Site -> the norm module its sum passes before the residual add, for the post-norm
-    families of hf/plan.OUTPUT_NORMS (vLLM's decoder layers use transformers' attribute
-    names): the layer of reducer 2l + slot is the reducer's parent layer module."""
-    names = OUTPUT_NORMS.get(model_type)
-    if names is None:
+def _output_norms(model: torch.nn.Module, modules, vllm_config) -> dict:
+    """Site -> the norm its sum passes before the residual add (post-norm families only)."""
+    model_type = getattr(vllm_config.model_config.hf_config, "model_type", None)
+    if model_type not in OUTPUT_NORMS:
         return {}
-    out = {}
-    for site, name in enumerate(reducers):
+    return layer_output_norms(_layers_of(model, [n for n, k in modules if k == REDUCE]),
+                              model_type)
+
+
+def _layers_of(model: torch.nn.Module, reducers: list[str]) -> list[torch.nn.Module]:
+    """The decoder layer modules, in order: the parent layer of every site pair's first reducer
+    ('model.layers.3.self_attn.o_proj' -> model.layers.3; Schedule.build checks the order)."""
+    layers = []
+    for name in reducers[::SITES_PER_LAYER]:
         parts = name.split(".")
-        layer = model.get_submodule(".".join(parts[:[p.isdigit() for p in parts].index(True) + 1]))
-        norm = getattr(layer, names[site % SITES_PER_LAYER], None)
-        if norm is None:
-            raise ValueError(f"{type(layer).__name__} has no {names[site % SITES_PER_LAYER]}, "
-                             "which its family's output-norm entry names")
-        out[site] = norm
-    return out
+        depth = [p.isdigit() for p in parts].index(True) + 1
+        layers.append(model.get_submodule(".".join(parts[:depth])))
+    return layers
 
 
 def schedule_of(model: torch.nn.Module, vllm_config, spec: CommSpec) -> Schedule:
@@ -153,8 +154,7 @@ def schedule_of(model: torch.nn.Module, vllm_config, spec: CommSpec) -> Schedule
             model=type(model).__name__, modules=modules,
             n_layers=vllm_config.model_config.get_num_layers(vllm_config.parallel_config),
             plan=spec.widths, bits=spec.config.bits,
-            norms=output_norms(model, [n for n, k in modules if k == REDUCE],
-                               getattr(vllm_config.model_config.hf_config, "model_type", None)))
+            norms=_output_norms(model, modules, vllm_config))
     except ValueError as e:
         raise ValueError(f"echo-tp: ECHO_VLLM={spec.label!r} does not cover this model's TP "
                          f"all-reduces: {e}. Unset ECHO_VLLM to serve it without Echo") from None
