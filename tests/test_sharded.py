@@ -79,7 +79,10 @@ def test_error_feedback_keeps_the_partial_sums_bounded(kind, state):
     S = torch.stack([rho for rho, _ in run]).cumsum(0)
     q = torch.stack([d for _, d in run]).abs().amax(0)
     bound = (1 + mean_age(cfg)) * q
-    assert torch.all(S.abs() <= bound * (1 + 1e-4) + 1e-5), float((S.abs() - bound).max())
+    # The bound holds in exact arithmetic; each call's corrected inputs, sum and stored error are
+    # fp32, so S_t also carries up to ~eps32 * sum_r |x_r| of rounding per call (at most N calls).
+    fp32 = 2 * N * torch.finfo(torch.float32).eps * float(x.abs().sum(0).max())
+    assert torch.all(S.abs() <= bound + fp32), float((S.abs() - bound).max())
     plain = _run_pass(kind, cfg.replace(eta=0.0), x, N)
     S0 = torch.stack([rho for rho, _ in plain]).cumsum(0)
     assert torch.allclose(S0[-1], N * plain[0][0])
