@@ -42,7 +42,8 @@ def _tokenize(sub):
     p = sub.add_parser("tokenize", help="text files/folders -> uint16/uint32 token files")
     p.add_argument("inputs", nargs="+")
     p.add_argument("--tokenizer", default="", help="folder with vocab.json+merges.txt "
-                   "(or tokenizer.json); default: the shipped GPT-2 tokenizer")
+                   "(or tokenizer.json), or a GGUF file (its tokenizer); default: the shipped "
+                   "GPT-2 tokenizer")
     p.add_argument("--out", required=True, help="output .bin path")
     p.add_argument("--val-fraction", type=float, default=0.0,
                    help="hold out about this fraction of the tokens in OUT's .val.bin")

@@ -41,7 +41,7 @@ def resolve_tokenizer_dir(tokenizer_dir: str | Path | None = None) -> Path:
     if tokenizer_dir is None or str(tokenizer_dir) == "":
         return ASSETS_DIR / DEFAULT_TOKENIZER
     path = Path(tokenizer_dir)
-    if path.is_dir():
+    if path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf"):
         return path
     if (ASSETS_DIR / str(tokenizer_dir)).is_dir():
         return ASSETS_DIR / str(tokenizer_dir)
@@ -92,6 +92,9 @@ def declared_bos_token(tokenizer_dir: str | Path | None = None) -> str | None:
     """The BOS token a tokenizer directory declares (tokenizer_config.json's bos_token, else
     special_tokens_map.json's), or None."""
     path = resolve_tokenizer_dir(tokenizer_dir)
+    if path.is_file():  # a GGUF file: the BOS its metadata declares
+        from echo_tp.hf.gguf import load_gguf_tokenizer
+        return load_gguf_tokenizer(path).bos_token
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
         found = _token_content(_read_json(path / name).get("bos_token"))
         if found:
@@ -100,8 +103,12 @@ def declared_bos_token(tokenizer_dir: str | Path | None = None) -> str | None:
 
 
 def build_tokenizer(tokenizer_dir: str | Path | None = None) -> Tokenizer:
-    """A byte-level BPE `Tokenizer` from tokenizer_dir (default: the shipped GPT-2 files)."""
+    """A byte-level BPE `Tokenizer` from tokenizer_dir (default: the shipped GPT-2 files), or
+    the tokenizer of a GGUF file (transformers builds it from the file's metadata)."""
     path = resolve_tokenizer_dir(tokenizer_dir)
+    if path.is_file():
+        from echo_tp.hf.gguf import load_gguf_tokenizer
+        return load_gguf_tokenizer(path).backend_tokenizer
     if (path / "tokenizer.json").is_file():
         try:
             return Tokenizer.from_file(str(path / "tokenizer.json"))

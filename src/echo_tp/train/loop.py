@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -70,22 +71,32 @@ from echo_tp.tp import (SIM_PATHS, clip_grad_norm_, grad_norm, parse_comm_spec,
                         sync_partial_grads)
 from echo_tp.tp.runtime import check_group_args, in_torchrun, launch, make_comm, rank_device
 
+from . import graphed
 from .data import IGNORE, TokenBatches, eval_batches
 from .log import LossLog, TelemetryLog, plot_losses
-from .model import SAVE_DTYPES, Built, build_model, is_hf_dir, model_config, save_checkpoint
+from .model import (SAVE_DTYPES, Built, build_model, check_init_from, is_hf_dir, model_config,
+                    save_checkpoint)
+
+LOG = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainOptions:
     """The options of `echo-tp train` and train.main: each field is one command-line option
     (echo_tp.options: `--field-name`, its docstring the help)."""
 
-    model: str = "qwen3-150m"
-    """Model preset, a .json model config (ModelConfig fields, optionally on a "preset"; or a
-    transformers config.json), or an HF directory of a transformers causal LM: config.json
-    (random init from --seed) or config.json + *.safetensors (fine-tuning; each rank reads only
-    its slices)."""
+    model: str | None = None
+    """Model preset (default qwen3-150m), a .json model config (ModelConfig fields, optionally
+    on a "preset"; or a transformers config.json), or an HF directory of a transformers causal
+    LM: config.json (random init from --seed) or config.json + *.safetensors (fine-tuning; each
+    rank reads only its slices)."""
     train_data: str
     """Token file (.bin + .json sidecar) to train on."""
+    init_from: str | None = field(default=None, metadata=cli(metavar="CHECKPOINT"))
+    """Continued pretraining: start from this pretrained HF folder (config.json +
+    *.safetensors) or GGUF file, its own config and weights (instead of --model; the optimizer
+    starts fresh). Tokenize the data with its tokenizer (echo-tp tokenize --tokenizer
+    CHECKPOINT); checkpoints carry that tokenizer."""
     model_fields: tuple[str, ...] = field(default=(), metadata=cli(flag="--model-field",
                                                                    metavar="KEY=VALUE"))
     """ModelConfig fields on top of --model, e.g. n_layers=24 dim=512 qk_norm=true."""
@@ -138,6 +149,9 @@ class TrainOptions:
     """Checkpoint dtype: float32 (the master weights as they are) or bfloat16 (half the size)."""
     compile: bool = False
     """torch.compile the model (its forward and backward)."""
+    cuda_graph: bool = False
+    """Replay each step's passes as one CUDA graph (train/graphed.py: captured after a few
+    eager steps; plain and simulated runs on CUDA, else eager with the reason logged)."""
     sync_every: int = field(default=10, metadata=cli(metavar="N"))
     """Read loss and grad norm from the device every N steps (one host sync per N steps; the
     CSV still gets a row per step)."""
@@ -166,6 +180,10 @@ class TrainOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_fields", tuple(self.model_fields))
+        if self.init_from is not None and (self.model is not None or self.model_fields):
+            raise ValueError("--init-from brings its own model: drop --model and --model-field")
+        if self.model is None and self.init_from is None:
+            object.__setattr__(self, "model", "qwen3-150m")
         for name in ("steps", "seq_len", "batch_size", "grad_accum", "eval_batches",
                      "sync_every"):
             if getattr(self, name) < 1:
@@ -276,21 +294,43 @@ def prepare_forward(built: Built, compile: bool):
     return torch.compile(built.model)
 
 
-def train_step(forward, built: Built, opt, batches, o: TrainOptions, device,
-               amp: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step at the LR already set: o.grad_accum micro-batches from batches
-    (loss / grad_accum each), the partial-grad sync and clipping, AdamW -> (mean loss fp64,
-    grad norm before clipping), both on the device (no host sync)."""
-    opt.zero_grad(set_to_none=True)
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    for _ in range(o.grad_accum):
-        x, y = next(batches)
-        loss = _loss(forward, _to(x, device), _to(y, device), amp, device)
-        (loss / o.grad_accum).backward()
+def step_passes(forward, built: Built, xs: list, ys: list, clip: float,
+                amp: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The passes of one step on its micro-batches xs, ys ([B, T] each, on the device): forward
+    and backward of each (loss / len(xs)), the partial-grad sync and clipping -> (mean loss
+    fp64, grad norm before clipping), both on the device (no host sync)."""
+    loss_sum = torch.zeros((), dtype=torch.float64, device=xs[0].device)
+    for x, y in zip(xs, ys):
+        loss = _loss(forward, x, y, amp, x.device)
+        (loss / len(xs)).backward()
         loss_sum += loss.detach().double()
-    norm = _grad_norm(built, o.clip)
+    norm = _grad_norm(built, clip)
+    return loss_sum / len(xs), norm.detach()
+
+
+def train_step(forward, built: Built, opt, batches, o: TrainOptions, device,
+               amp: bool, set_to_none: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step at the LR already set: o.grad_accum micro-batches from batches
+    (step_passes), AdamW -> (mean loss fp64, grad norm before clipping), both on the device.
+    set_to_none=False zeroes the gradients in place (a CUDA graph owns them: graphed.py)."""
+    opt.zero_grad(set_to_none=set_to_none)
+    pairs = [next(batches) for _ in range(o.grad_accum)]
+    loss, norm = step_passes(forward, built, [_to(x, device) for x, _ in pairs],
+                             [_to(y, device) for _, y in pairs], o.clip, amp)
     opt.step()
-    return loss_sum / o.grad_accum, norm.detach()
+    return loss, norm
+
+
+def _graphed(forward, built: Built, o: TrainOptions, device, amp: bool):
+    """GraphedPasses for --cuda-graph (None, the reason logged, where the run cannot use one)."""
+    if not o.cuda_graph:
+        return None, "off"
+    why = graphed.unfit(built.mode, device)
+    if why is not None:
+        LOG.warning("--cuda-graph: running eagerly: %s", why)
+        return None, why
+    return graphed.GraphedPasses(forward, built, grad_accum=o.grad_accum, clip=o.clip, amp=amp,
+                                 passes=step_passes), "on"
 
 
 def _over_budget(o: TrainOptions, elapsed: float, built: Built, device) -> bool:
@@ -312,7 +352,8 @@ def _rank_train(rank: int | None, world_size: int, o: TrainOptions) -> dict:
     comm = None if world_size == 1 else make_comm(rank, world_size, spec.config)
     built = build_model(o.model, o.model_fields, seed=o.seed, comm=comm, rank=rank,
                         world_size=world_size, device=device, policy=spec.widths,
-                        sequence_parallel=o.sequence_parallel, sim_path=o.sim_path)
+                        sequence_parallel=o.sequence_parallel, sim_path=o.sim_path,
+                        init_from=o.init_from)
     model = built.model
     forward = prepare_forward(built, o.compile)
     opt = build_optimizer(model, o)
@@ -326,7 +367,11 @@ def _rank_train(rank: int | None, world_size: int, o: TrainOptions) -> dict:
                            bos_id=ids.get("bos_id"), sep_id=ids.get("sep_id"))
     val = None
     if o.val_data:
-        val = eval_batches(load_tokens(o.val_data), seq_len=o.seq_len,
+        val_tokens = load_tokens(o.val_data)
+        if val_tokens.numel() and int(val_tokens.max()) >= built.vocab_size:
+            raise ValueError(f"val token id {int(val_tokens.max())} >= vocab_size "
+                             f"{built.vocab_size}: data and model use different tokenizers")
+        val = eval_batches(val_tokens, seq_len=o.seq_len,
                            batch_size=o.batch_size, max_batches=o.eval_batches,
                            bos_id=ids.get("bos_id"), sep_id=ids.get("val_sep_id"))
     out = Path(o.out_dir)
@@ -344,6 +389,7 @@ def _rank_train(rank: int | None, world_size: int, o: TrainOptions) -> dict:
     if main and o.progress:
         bar = tqdm(total=o.steps, desc=f"train {spec.label} ({built.mode})", unit="step")
     tokens_per_step = o.batch_size * o.grad_accum * o.seq_len
+    graph, graph_status = _graphed(forward, built, o, device, amp)
     pending: list[tuple] = []  # (step, lr, loss, norm, elapsed), loss and norm on the device
     state = {"loss": None}
 
@@ -374,7 +420,25 @@ def _rank_train(rank: int | None, world_size: int, o: TrainOptions) -> dict:
         sample = comm is not None and o.telemetry_every and step % o.telemetry_every == 0
         if sample:
             comm.telemetry = Telemetry()        # this step's calls leave rows (module doc)
-        loss, norm = train_step(forward, built, opt, batches, o, device, amp)
+        if graph is not None and not sample and step >= graphed.WARM_STEPS:
+            try:
+                loss, norm = graph(batches)
+            except Exception as e:  # noqa: BLE001 - any capture failure: the step runs eagerly
+                if graph.graph is not None:
+                    raise
+                LOG.warning("--cuda-graph: capture failed, running eagerly: %s", e)
+                graph_status = f"capture failed: {type(e).__name__}: {e}"
+                opt.zero_grad(set_to_none=True)
+                loss, norm = step_passes(forward, built, list(graph.x.unbind(0)),
+                                         list(graph.y.unbind(0)), o.clip, amp)
+                graph = None
+            opt.step()
+        elif graph is not None and graph.graph is None:
+            with graphed.warm_stream(device):   # warm-up before the capture (graphed.py)
+                loss, norm = train_step(forward, built, opt, batches, o, device, amp)
+        else:
+            loss, norm = train_step(forward, built, opt, batches, o, device, amp,
+                                    set_to_none=graph is None)
         if sample:
             rows = comm.telemetry_summary()     # on real ranks a collective: every rank
             comm.telemetry = None
@@ -417,7 +481,8 @@ def _rank_train(rank: int | None, world_size: int, o: TrainOptions) -> dict:
     if not main:
         return {}
     with writing(out / "loss.png"):
-        plot = plot_losses(log.rows, out / "loss.png", title=f"{Path(o.model).name}, "
+        name = Path(o.model or o.init_from).name
+        plot = plot_losses(log.rows, out / "loss.png", title=f"{name}, "
                            f"TP={world_size} ({built.mode}), comm {spec.label}")
     losses = [r["loss"] for r in log.rows]
     tail = losses[-min(100, len(losses)):]
@@ -426,6 +491,8 @@ def _rank_train(rank: int | None, world_size: int, o: TrainOptions) -> dict:
             "first_loss": losses[0], "final_loss": losses[-1], "tail_loss": sum(tail) / len(tail),
             "val_loss": val_loss, "log": str(log.path), "plot": str(plot),
             "checkpoint": str(out / "checkpoints" / f"step-{done}"), "seconds": seconds,
+            "cuda_graph": graph_status if graph is None or graph.graph is not None
+            else "not captured",
             "tokens_per_s": done * tokens_per_step / seconds,
             "steady_tokens_per_s": (done - 1) * tokens_per_step / (t_last - t_step1)
             if done > 1 and t_last > t_step1 else None}
@@ -438,9 +505,12 @@ def main(*, simulate: int | None = None, world_size: int | None = None, **option
     o = TrainOptions(**options)
     check_group_args(simulate=simulate, world_size=world_size)
     parse_comm_spec(o.comm)  # fail fast, before any process starts or the model is built
-    model_config(o.model, o.model_fields)
-    if is_hf_dir(o.model) and any(Path(o.model).glob("*.safetensors")):
-        check_shards(o.model)
+    if o.init_from is not None:
+        check_init_from(o.init_from)
+    else:
+        model_config(o.model, o.model_fields)
+        if is_hf_dir(o.model) and any(Path(o.model).glob("*.safetensors")):
+            check_shards(o.model)
     check_token_file(o.train_data, "--train-data")
     if o.val_data:
         check_token_file(o.val_data, "--val-data")
@@ -453,7 +523,8 @@ def main(*, simulate: int | None = None, world_size: int | None = None, **option
         r = run.result
         stop = (f" (time budget {o.time_budget:g}s, of {r['planned_steps']})"
                 if r["stopped_by"] == "time_budget" else "")
-        print(f"{o.model} | {r['mode']} | comm {r['comm']} | {r['steps']} steps{stop}, "
+        print(f"{o.model or o.init_from} | {r['mode']} | comm {r['comm']} | {r['steps']} steps"
+              f"{stop}, "
               f"{r['tokens']:,} tokens | loss {r['first_loss']:.4f} -> {r['final_loss']:.4f} "
               f"(tail mean {r['tail_loss']:.4f})"
               + (f" | val {r['val_loss']:.4f}" if r["val_loss"] is not None else "")

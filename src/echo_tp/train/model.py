@@ -9,6 +9,12 @@ seed, the same on every rank, sharded after) or an HF directory of a transformer
 (config.json only: seeded from_config; with *.safetensors: its weights, each TP rank reading its
 slices through echo_tp.hf.load_hf_tp). fp32 master weights in every case.
 
+init_from (continued pretraining): a pretrained HF folder (config.json + *.safetensors) or a GGUF
+file, read whole on every rank in float32 (GGUF: dequantized by transformers, exact), then sharded.
+A Llama or Qwen3 config becomes our own Transformer (ModelConfig.from_hf_config, so the batched
+simulated path and compile reach it); any other family stays transformers' model
+(hf.parallelize_hf). Checkpoints of such a run carry the source's tokenizer beside the weights.
+
 Checkpoints are whole (gathered from the shards; a collective on real ranks) HF directories in
 `dtype` (float32 or bfloat16): save_hf_checkpoint for ModelConfig models, save_pretrained for
 transformers models.
@@ -16,6 +22,8 @@ transformers models.
 from __future__ import annotations
 
 import dataclasses
+import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,9 +32,15 @@ from torch import nn
 
 from echo_tp.models import (ModelConfig, build_meta_model, init_weights, resolve_model_config,
                             save_hf_checkpoint)
+from echo_tp.models.hf import hf_key_map, load_hf_checkpoint
+from echo_tp.models.checkpoint import check_shards
 from echo_tp.tp import full_state_dict, parallelize, unshard
 
 SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "added_tokens.json", "tokenizer.model",
+                   "generation_config.json")
+"""What a pretrained folder's tokenizer is made of (copied into checkpoints when present)."""
 
 
 def is_hf_dir(spec: str) -> bool:
@@ -61,15 +75,21 @@ class Built:
     vocab_size: int
     mode: str
     """"plain", "simulated" or "ranks"."""
+    source: str | None = None
+    """The pretrained folder or GGUF file the weights came from (init_from), else None."""
 
 
 def build_model(spec: str, fields: tuple[str, ...], *, seed: int, comm, rank: int | None,
                 world_size: int, device: torch.device, policy,
-                sequence_parallel: bool = False, sim_path: str = "shards") -> Built:
+                sequence_parallel: bool = False, sim_path: str = "shards",
+                init_from: str | None = None) -> Built:
     """The model in train mode: plain when world_size == 1 (comm unused), else parallelized
     (sequence-parallel if asked; simulated ranks on sim_path, tp.parallelize; other modes
-    ignore it)."""
+    ignore it). init_from: start from that pretrained folder or GGUF file (spec unused)."""
     mode = "plain" if world_size == 1 else ("simulated" if rank is None else "ranks")
+    if init_from is not None:
+        return _build_pretrained(init_from, comm, rank, device, policy, mode,
+                                 sequence_parallel, sim_path)
     cfg = model_config(spec, fields)
     if cfg is None:
         model, config, vocab = _build_hf(spec, seed, comm, rank, device, policy, mode == "plain",
@@ -80,6 +100,83 @@ def build_model(spec: str, fields: tuple[str, ...], *, seed: int, comm, rank: in
         parallelize(model, comm, rank, policy=policy, sequence_parallel=sequence_parallel,
                     sim_path=sim_path if mode == "simulated" else "shards")
     return Built(model, cfg, dataclasses.asdict(cfg), cfg.vocab_size, mode)
+
+
+def check_init_from(path: str) -> None:
+    """ValueError unless path is a GGUF file or an HF folder with config.json + *.safetensors."""
+    from echo_tp.hf.gguf import check_gguf_file, is_gguf
+    if is_gguf(path):
+        check_gguf_file(path)
+        return
+    p = Path(path)
+    if not (p.is_dir() and (p / "config.json").is_file() and any(p.glob("*.safetensors"))):
+        raise ValueError(f"--init-from {path}: expected a GGUF file (*.gguf) or a pretrained HF "
+                         "folder (config.json + *.safetensors)")
+    check_shards(p)
+
+
+def _ours(config: dict) -> ModelConfig | None:
+    """Our ModelConfig for a transformers config dict (None: a family we do not write)."""
+    try:
+        return ModelConfig.from_hf_config(config)
+    except ValueError:
+        return None
+
+
+def load_pretrained(path: str, device: torch.device) -> tuple[nn.Module, ModelConfig | None]:
+    """The whole pretrained model of a GGUF file or HF folder, float32, train mode, on device:
+    our Transformer (with its ModelConfig) for Llama / Qwen3 configs, else transformers' model
+    (None)."""
+    from echo_tp.hf.gguf import is_gguf, load_gguf_model
+    check_init_from(path)
+    if not is_gguf(path):
+        config = json.loads((Path(path) / "config.json").read_text())
+        if _ours(config) is not None:
+            model, cfg = load_hf_checkpoint(path, dtype=torch.float32, device=device)
+            return model.train(), cfg
+        import transformers
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        return model.to(device).train(), None
+    hf = load_gguf_model(path, dtype=torch.float32)
+    cfg = _ours(hf.config.to_dict())
+    if cfg is None:
+        return hf.to(device).train(), None
+    theirs = hf.state_dict()
+    state = {ours: theirs[key] for key, ours in hf_key_map(cfg).items()}
+    if cfg.tie_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model = build_meta_model(cfg)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.tie_weights()
+    return model.to(device).train(), cfg
+
+
+def _build_pretrained(path, comm, rank, device, policy, mode, sequence_parallel,
+                      sim_path) -> Built:
+    model, cfg = load_pretrained(path, device)
+    if cfg is None:
+        from echo_tp.hf import parallelize_hf
+        from echo_tp.hf.plan import text_config
+        if mode != "plain":
+            parallelize_hf(model, comm, rank, policy=policy, sequence_parallel=sequence_parallel)
+        return Built(model, None, model.config.to_dict(), text_config(model).vocab_size, mode,
+                     source=path)
+    if mode != "plain":
+        parallelize(model, comm, rank, policy=policy, sequence_parallel=sequence_parallel,
+                    sim_path=sim_path if mode == "simulated" else "shards")
+    return Built(model, cfg, dataclasses.asdict(cfg), cfg.vocab_size, mode, source=path)
+
+
+def save_tokenizer(source: str, path: Path) -> None:
+    """The source's tokenizer beside a checkpoint: a GGUF file's (transformers builds it from
+    the file's metadata), or an HF folder's tokenizer files copied as they are."""
+    from echo_tp.hf.gguf import is_gguf, load_gguf_tokenizer
+    if is_gguf(source):
+        load_gguf_tokenizer(source).save_pretrained(path)
+        return
+    for name in TOKENIZER_FILES:
+        if (Path(source) / name).is_file():
+            shutil.copyfile(Path(source) / name, path / name)
 
 
 def _build_hf(spec, seed, comm, rank, device, policy, plain: bool, sequence_parallel: bool):
@@ -128,6 +225,8 @@ def save_checkpoint(built: Built, path: Path, *, main: bool, dtype: str = "float
         state = _cast(built.model.state_dict() if plain else full_state_dict(built.model), to)
         if main:
             built.model.save_pretrained(path, state_dict=state)
+            if built.source is not None:
+                save_tokenizer(built.source, path)
         return
     if plain:
         whole = build_meta_model(built.cfg)
@@ -137,3 +236,5 @@ def save_checkpoint(built: Built, path: Path, *, main: bool, dtype: str = "float
         whole = unshard(built.model).to(to)  # collective on real ranks
     if main:
         save_hf_checkpoint(whole, built.cfg, path)
+        if built.source is not None:
+            save_tokenizer(built.source, path)
