@@ -6,8 +6,9 @@ plain model as the ceiling), in one run, on one GPU.
         --seq-len 32 --windows 2 --window-steps 2 --out /tmp/speed.json        # a CPU dry run
 
 Every variant (VARIANTS: the sim path, torch.compile or not, P) builds the model from the same
-seed and trains it with the trainer's own step (echo_tp.train.train_step: bf16 autocast on CUDA,
-the partial-grad sync, clipping, AdamW) on the same batches: `--warmup` steps (compile, Triton
+seed and trains it with the trainer's own step (echo_tp.train.Stepper: bf16 autocast on CUDA,
+the partial-grad sync, clipping, AdamW; the '+graph' variants replay the step's passes as one
+CUDA graph after its warm-up steps, as `train --cuda-graph` does) on the same batches: `--warmup` steps (compile, Triton
 JIT), then `--windows` windows of `--window-steps` steps, each window ended by one device sync
 (as the trainer syncs every few steps). Per variant: the median seconds per step over the
 windows, tokens/s from it, the median host seconds per step (the time until the window's
@@ -40,19 +41,24 @@ import torch.nn.functional as F
 from echo_tp.models import load_tokens
 from echo_tp.tp import parse_comm_spec, rank_parameters, sync_partial_grads
 from echo_tp.tp.runtime import make_comm
-from echo_tp.train import TokenBatches, TrainOptions, build_optimizer, lr_at, prepare_forward, \
-    train_step
+from echo_tp.train import Stepper, TokenBatches, TrainOptions, build_optimizer, lr_at, \
+    prepare_forward
 from echo_tp.train.model import build_model
 
-VARIANTS = {  # name -> (sim path, torch.compile, simulated TP (False: the plain model))
-    "shards": ("shards", False, True),
-    "shards+compile": ("shards", True, True),
-    "batched": ("batched", False, True),
-    "batched+compile": ("batched", True, True),
-    "plain": ("shards", False, False),
-    "plain+compile": ("shards", True, False),
+VARIANTS = {  # name -> (sim path, torch.compile, simulated TP (False: the plain model),
+    #          the step's passes as one CUDA graph: train --cuda-graph)
+    "shards": ("shards", False, True, False),
+    "shards+compile": ("shards", True, True, False),
+    "batched": ("batched", False, True, False),
+    "batched+compile": ("batched", True, True, False),
+    "batched+graph": ("batched", False, True, True),
+    "batched+compile+graph": ("batched", True, True, True),
+    "plain": ("shards", False, False, False),
+    "plain+compile": ("shards", True, False, False),
+    "plain+compile+graph": ("shards", True, False, True),
 }
-DEFAULT_VARIANTS = ("shards", "batched", "batched+compile", "plain+compile")
+DEFAULT_VARIANTS = ("batched+compile", "batched+compile+graph", "plain+compile",
+                    "plain+compile+graph")
 RECIPE = dict(model="studies/testbed/model.json", batch_size=64, seq_len=512, lr=2e-3,
               min_lr=2e-4, warmup=66, weight_decay=0.1)
 """The testbed recipe (studies/testbed/recipe.sh); its schedule only sets the LR here."""
@@ -78,7 +84,7 @@ def _build(a, comm_spec: str, sim_path: str, simulated: bool, device):
     comm = make_comm(None, P, spec.config) if P > 1 else None
     return build_model(a.model, tuple(a.model_field), seed=0, comm=comm, rank=None,
                        world_size=P, device=device, policy=spec.widths,
-                       sim_path=sim_path if P > 1 else "shards")
+                       sim_path=sim_path if P > 1 else "shards", init_from=a.init_from)
 
 
 class Run:
@@ -86,30 +92,32 @@ class Run:
     schedule's LR (no host sync)."""
 
     def __init__(self, a, name: str, comm_spec: str, device):
-        sim_path, compile_, simulated = VARIANTS[name]
-        self.o = TrainOptions(model=a.model, train_data="-", model_fields=tuple(a.model_field),
+        sim_path, compile_, simulated, graph = VARIANTS[name]
+        self.o = TrainOptions(model=None if a.init_from else a.model, init_from=a.init_from,
+                              train_data="-", model_fields=tuple(a.model_field),
                               steps=a.warmup + a.windows * a.window_steps, seq_len=a.seq_len,
                               batch_size=a.batch_size, lr=a.lr, min_lr=a.min_lr,
                               warmup=a.lr_warmup, weight_decay=a.weight_decay,
-                              compile=compile_, sim_path=sim_path, device=str(device))
+                              compile=compile_, sim_path=sim_path, device=str(device),
+                              cuda_graph=graph)
         self.amp = device.type == "cuda" if a.amp is None else a.amp
         self.device = device
         self.built = _build(a, comm_spec, sim_path, simulated, device)
         self.forward = prepare_forward(self.built, compile_)
         self.opt = build_optimizer(self.built.model, self.o)
         self.batches = _batches(a, self.built.vocab_size)
+        self.stepper = Stepper(self.forward, self.built, self.opt, self.o, device, self.amp)
         self.steps = 0
 
     def step(self):
         for group in self.opt.param_groups:
             group["lr"] = lr_at(self.steps, self.o)
         self.steps += 1
-        return train_step(self.forward, self.built, self.opt, self.batches, self.o,
-                          self.device, self.amp)
+        return self.stepper(self.batches)
 
 
 def run_variant(a, name: str, comm_spec: str, device) -> dict:
-    sim_path, compile_, simulated = VARIANTS[name]
+    sim_path, compile_, simulated, graph = VARIANTS[name]
     run = Run(a, name, comm_spec, device)
     one = run.step
     t0 = time.perf_counter()
@@ -133,7 +141,8 @@ def run_variant(a, name: str, comm_spec: str, device) -> dict:
     tokens = a.batch_size * a.seq_len
     med = statistics.median(per_step)
     out = {"variant": name, "comm": comm_spec, "sim_path": sim_path if simulated else None,
-           "compile": compile_, "world_size": a.simulate if simulated else 1,
+           "compile": compile_, "cuda_graph": run.stepper.status,
+           "world_size": a.simulate if simulated else 1,
            "tokens_per_s": tokens / med, "step_s_median": med,
            "host_s_median": statistics.median(host), "step_s": per_step,
            "first_step_s": first_s, "steps": run.steps, "last_loss": float(loss), **syncs}
@@ -220,6 +229,8 @@ def environment(device) -> dict:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=RECIPE["model"])
+    ap.add_argument("--init-from", default=None, metavar="CHECKPOINT",
+                    help="a pretrained HF folder or GGUF file instead of --model")
     ap.add_argument("--model-field", nargs="+", action="extend", default=[], metavar="KEY=VALUE")
     ap.add_argument("--train-data", default=None, help="token file (default: random tokens)")
     ap.add_argument("--simulate", type=int, default=4, metavar="P")
@@ -278,9 +289,12 @@ def main(argv=None) -> dict:
                   f"  loss {row['last_loss']:.4f}", flush=True)
             save()
     base = {r["comm"]: r["tokens_per_s"] for r in result["rows"] if r["variant"] == "shards"}
+    plain = {r["variant"]: r["tokens_per_s"] for r in result["rows"] if r["world_size"] == 1}
     for r in result["rows"]:
         if r["comm"] in base:
             r["speedup_over_shards"] = r["tokens_per_s"] / base[r["comm"]]
+        if "plain+compile" in plain:   # the issue's ceiling: the plain model compiled
+            r["ratio_to_plain_compiled"] = r["tokens_per_s"] / plain["plain+compile"]
     result["seconds"] = time.perf_counter() - start
     save()
     return result

@@ -102,12 +102,60 @@ def test_train_speed_dry_run(tmp_path):
     result = train_speed.main(["--device", "cpu", "--model", "tiny-qwen3", "--simulate", "2",
                                "--batch-size", "2", "--seq-len", "16", "--warmup", "1",
                                "--windows", "1", "--window-steps", "1", "--check-steps", "2",
-                               "--variants", "shards", "batched", "plain", "--out", str(out)])
+                               "--variants", "shards", "batched", "plain", "batched+graph",
+                               "--out", str(out)])
     assert json.loads(out.read_text())["rows"] == result["rows"]
-    assert [r["variant"] for r in result["rows"]] == ["shards", "batched", "plain"]
+    assert [r["variant"] for r in result["rows"]] == ["shards", "batched", "plain",
+                                                      "batched+graph"]
     assert all(r["tokens_per_s"] > 0 and r["steps"] == 2 for r in result["rows"])
     assert result["rows"][1]["speedup_over_shards"] > 0
     assert result["rows"][0]["last_loss"] == result["rows"][1]["last_loss"]   # bit for bit
+    # no CUDA device: the graph variant runs eagerly, says why, and trains the same
+    assert "CUDA device" in result["rows"][3]["cuda_graph"]
+    assert result["rows"][3]["last_loss"] == result["rows"][1]["last_loss"]
     eq = result["equivalence"][0]
     assert eq["logits_bit_identical"] and eq["grads_bit_identical"] and eq["comm"] == "echo4"
     assert len(eq["losses"]["batched"]) == 2 and eq["max_loss_rel_diff"] == 0
+
+
+def test_real_llm_study_dry_run(tmp_path, monkeypatch):
+    """studies/train_real_llm.py's probe and study stages on the CPU with the tiny GGUF Llama
+    (converted to a folder, as `prep` does): the probe picks the LR of the lowest final held-out
+    loss, every run trains, saves, and is evaluated with 16-bit communication and its own on the
+    held-out tokens and on a text file."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    sys.path.insert(0, str(ROOT / "tests"))
+    import train_real_llm as study
+    from tiny_gguf import write_tiny_llama
+
+    from echo_tp import cli
+    from echo_tp.hf import gguf_to_hf
+    write_tiny_llama(tmp_path / "m.gguf")
+    gguf_to_hf(tmp_path / "m.gguf", tmp_path / "hf")
+    words = "the quick brown fox jumps over the lazy dog and a cat sat on the mat".split()
+    g = torch.Generator().manual_seed(0)
+    for split, n in (("train", 16), ("val", 4)):
+        (tmp_path / split).mkdir()
+        for i in range(n):
+            picks = torch.randint(0, len(words), (60,), generator=g).tolist()
+            (tmp_path / split / f"d{i}.txt").write_text(" ".join(words[j] for j in picks))
+        assert cli.main(["tokenize", str(tmp_path / split), "--tokenizer", str(tmp_path / "hf"),
+                         "--out", str(tmp_path / f"smol-{split}.bin")]) == 0
+    (tmp_path / "wiki.valid.raw").write_text((tmp_path / "val" / "d0.txt").read_text() * 4)
+    for name, value in dict(DATA=tmp_path, MODEL=tmp_path / "hf", SEQ=32, ROWS=4,
+                            CONFIGS=("16", "echo4"), SEEDS=(0,), PROBE_LRS=(1e-4, 3e-3),
+                            PROBE_STEPS=6, TP=2, COMPILE=False, EVAL_WINDOWS=4,
+                            TELEMETRY_EVERY=2).items():
+        monkeypatch.setattr(study, name, value)
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "out"
+    lr = study.probe(out)
+    probe = json.loads((out / "probe.json").read_text())
+    assert probe["lr"] == lr == min(study.PROBE_LRS, key=lambda v: probe["val_loss"][str(v)])
+    study.study(out, lr, steps=4, budget=None)
+    table = json.loads((out / "study.json").read_text())
+    assert sorted(table) == ["16-s0", "echo4-s0"]
+    assert set(table["echo4-s0"]) >= {"heldout_16", "heldout_echo4", "wiki_16", "wiki_echo4"}
+    assert table["16-s0"]["steps"] == 4 and "heldout_echo4" not in table["16-s0"]
+    assert (out / "echo4-s0" / "telemetry.csv").is_file()

@@ -37,7 +37,8 @@
   val_data, same comm config. Every save_every steps (and at the end): whole weights gathered
   from the shards, written in save_dtype (float32 default, or bfloat16) as an HF checkpoint
   (out_dir/checkpoints/step-N) that `echo-tp eval` loads.
-- out_dir/log.csv (per step) and out_dir/loss.png; out_dir/train_config.json; with val_data
+- out_dir/log.csv (per step) and out_dir/loss.png; out_dir/train_config.json; out_dir/result.json
+  (what main returns: losses, tokens/s, the CUDA graph's status); with val_data
   out_dir/val_rows.json: the final evaluation's summed NLL and scored tokens of every held-out
   row (the same rows for every comm config and seed: a paired bootstrap's windows).
 - telemetry_every=N (P > 1): steps 0, N, 2N, ... run with the collective's telemetry on
@@ -321,16 +322,51 @@ def train_step(forward, built: Built, opt, batches, o: TrainOptions, device,
     return loss, norm
 
 
-def _graphed(forward, built: Built, o: TrainOptions, device, amp: bool):
-    """GraphedPasses for --cuda-graph (None, the reason logged, where the run cannot use one)."""
-    if not o.cuda_graph:
-        return None, "off"
-    why = graphed.unfit(built.mode, device)
-    if why is not None:
-        LOG.warning("--cuda-graph: running eagerly: %s", why)
-        return None, why
-    return graphed.GraphedPasses(forward, built, grad_accum=o.grad_accum, clip=o.clip, amp=amp,
-                                 passes=step_passes), "on"
+class Stepper:
+    """One optimizer step per call: train_step, or with o.cuda_graph (where graphed.unfit
+    allows) the graphed passes after graphed.WARM_STEPS warm-up steps on a side stream, then
+    AdamW. eager=True runs a step eagerly (a telemetry step); after the capture such a step
+    zeroes the gradients in place, since the graph writes into them. A capture that raises
+    leaves the run eager, that step run on the batches already loaded; `status` says which."""
+
+    def __init__(self, forward, built: Built, opt, o: TrainOptions, device, amp: bool):
+        self.forward, self.built, self.opt, self.o = forward, built, opt, o
+        self.device, self.amp = device, amp
+        self.graph, self.status, self.count = None, "off", 0
+        if o.cuda_graph:
+            why = graphed.unfit(built.mode, device)
+            if why is None:
+                self.graph = graphed.GraphedPasses(forward, built, grad_accum=o.grad_accum,
+                                                   clip=o.clip, amp=amp, passes=step_passes)
+                self.status = "not captured"
+            else:
+                LOG.warning("--cuda-graph: running eagerly: %s", why)
+                self.status = why
+
+    def __call__(self, batches, eager: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        self.count += 1
+        g = self.graph
+        if g is None or (eager and g.graph is not None):
+            return train_step(self.forward, self.built, self.opt, batches, self.o, self.device,
+                              self.amp, set_to_none=g is None)
+        if self.count <= graphed.WARM_STEPS or eager:
+            with graphed.warm_stream(self.device):   # warm-up before the capture
+                return train_step(self.forward, self.built, self.opt, batches, self.o,
+                                  self.device, self.amp)
+        try:
+            loss, norm = g(batches)
+            self.status = "on"
+        except Exception as e:  # noqa: BLE001 - any capture failure: the run goes eagerly
+            if g.graph is not None:
+                raise
+            LOG.warning("--cuda-graph: capture failed, running eagerly: %s", e)
+            self.status = f"capture failed: {type(e).__name__}: {e}"
+            self.graph = None
+            self.opt.zero_grad(set_to_none=True)
+            loss, norm = step_passes(self.forward, self.built, list(g.x.unbind(0)),
+                                     list(g.y.unbind(0)), self.o.clip, self.amp)
+        self.opt.step()
+        return loss, norm
 
 
 def _over_budget(o: TrainOptions, elapsed: float, built: Built, device) -> bool:
@@ -389,7 +425,7 @@ def _rank_train(rank: int | None, world_size: int, o: TrainOptions) -> dict:
     if main and o.progress:
         bar = tqdm(total=o.steps, desc=f"train {spec.label} ({built.mode})", unit="step")
     tokens_per_step = o.batch_size * o.grad_accum * o.seq_len
-    graph, graph_status = _graphed(forward, built, o, device, amp)
+    stepper = Stepper(forward, built, opt, o, device, amp)
     pending: list[tuple] = []  # (step, lr, loss, norm, elapsed), loss and norm on the device
     state = {"loss": None}
 
@@ -420,25 +456,7 @@ def _rank_train(rank: int | None, world_size: int, o: TrainOptions) -> dict:
         sample = comm is not None and o.telemetry_every and step % o.telemetry_every == 0
         if sample:
             comm.telemetry = Telemetry()        # this step's calls leave rows (module doc)
-        if graph is not None and not sample and step >= graphed.WARM_STEPS:
-            try:
-                loss, norm = graph(batches)
-            except Exception as e:  # noqa: BLE001 - any capture failure: the step runs eagerly
-                if graph.graph is not None:
-                    raise
-                LOG.warning("--cuda-graph: capture failed, running eagerly: %s", e)
-                graph_status = f"capture failed: {type(e).__name__}: {e}"
-                opt.zero_grad(set_to_none=True)
-                loss, norm = step_passes(forward, built, list(graph.x.unbind(0)),
-                                         list(graph.y.unbind(0)), o.clip, amp)
-                graph = None
-            opt.step()
-        elif graph is not None and graph.graph is None:
-            with graphed.warm_stream(device):   # warm-up before the capture (graphed.py)
-                loss, norm = train_step(forward, built, opt, batches, o, device, amp)
-        else:
-            loss, norm = train_step(forward, built, opt, batches, o, device, amp,
-                                    set_to_none=graph is None)
+        loss, norm = stepper(batches, eager=sample)
         if sample:
             rows = comm.telemetry_summary()     # on real ranks a collective: every rank
             comm.telemetry = None
@@ -486,16 +504,17 @@ def _rank_train(rank: int | None, world_size: int, o: TrainOptions) -> dict:
                            f"TP={world_size} ({built.mode}), comm {spec.label}")
     losses = [r["loss"] for r in log.rows]
     tail = losses[-min(100, len(losses)):]
-    return {"comm": spec.label, "mode": built.mode, "steps": done, "planned_steps": o.steps,
+    result = {"comm": spec.label, "mode": built.mode, "steps": done, "planned_steps": o.steps,
             "stopped_by": stopped, "tokens": done * tokens_per_step,
             "first_loss": losses[0], "final_loss": losses[-1], "tail_loss": sum(tail) / len(tail),
             "val_loss": val_loss, "log": str(log.path), "plot": str(plot),
             "checkpoint": str(out / "checkpoints" / f"step-{done}"), "seconds": seconds,
-            "cuda_graph": graph_status if graph is None or graph.graph is not None
-            else "not captured",
+            "cuda_graph": stepper.status,
             "tokens_per_s": done * tokens_per_step / seconds,
             "steady_tokens_per_s": (done - 1) * tokens_per_step / (t_last - t_step1)
             if done > 1 and t_last > t_step1 else None}
+    (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
 
 
 def main(*, simulate: int | None = None, world_size: int | None = None, **options) -> dict:

@@ -1,0 +1,226 @@
+"""Continued pretraining of a real LLM (SmolLM2-135M) at simulated TP=3 under Echo: the speed
+record and the study, on one GPU.
+
+    python studies/train_real_llm.py prep  --gguf /tmp/m/smollm2-135m-instruct-q4_1.gguf
+    python studies/train_real_llm.py speed --out OUT        # plain vs TP=3, eager/graph
+    python studies/train_real_llm.py probe --out OUT        # the LR, by held-out loss (16-bit)
+    python studies/train_real_llm.py study --out OUT --lr LR [--steps N]
+    python studies/train_real_llm.py report RUNS... --out-dir docs/results/raw/DATE-train-llm
+
+Data (made on the CPU machine, carried in .work/data; `prep` unpacks what is xz-packed):
+  smol-train.bin: 101 Gutenberg books (../shared/data/gutenberg.tar.xz) tokenized with
+  SmolLM2's tokenizer (15.35M tokens); smol-val.bin: the 7 books held out (a seeded choice,
+  random.Random(0).sample of the sorted names: 1.36M tokens); wiki.valid.raw: WikiText-2
+  validation text. `echo-tp tokenize DIR --tokenizer MODEL_DIR --out .work/data/smol-train.bin`.
+
+prep converts the GGUF once into an HF folder (float32, the dequantized values exactly) that
+every run reads with --init-from. Every run: seq 1024, 16 rows a step (16,384 tokens), bf16
+autocast, AdamW, warmup then cosine to lr/10 at the last step; the simulated runs on the batched
+path, compiled, with --cuda-graph.
+- speed: one run at a time (the GPU alone), a short schedule each, steady tokens/s after step 1;
+  the plain model (16 bits: no communication) against simulated TP=3 at the default Echo, each
+  with and without the CUDA graph; the testbed at TP=4 likewise (random init, GPT-2 vocabulary:
+  the same token file serves, its ids < 50,257). Writes speed.json.
+- probe: 16-bit TP=3 runs of PROBE_STEPS at each LR in PROBE_LRS, side by side; the LR with the
+  lowest final held-out loss is the study's. Writes probe.json.
+- study: comm configs 16, 4 (naive) and echo4 (the default) x seeds 0, 1 (the data order),
+  side by side (one process each; the host-bound steps share the GPU), held-out loss every
+  quarter, per-site error telemetry every TELEMETRY_EVERY steps, a bf16 checkpoint at the end;
+  then every final checkpoint evaluated on the held-out books and on WikiText-2 with 16-bit
+  communication and with its own. Writes study.json and the run folders.
+- report: studies/train_schedule_report.py's table (paired bootstrap over held-out rows against
+  the same seed's 16-bit run), curves and telemetry plots, plus the evaluation table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import lzma
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DATA = Path(".work/data")
+MODEL = Path("/tmp/m/smol-hf")
+SEQ, ROWS = 1024, 16
+CONFIGS = ("16", "4", "echo4")
+SEEDS = (0, 1)
+PROBE_LRS = (1e-4, 3e-4, 1e-3)
+PROBE_STEPS = 150
+STUDY_TOKENS = 10_000_000
+TELEMETRY_EVERY = 100
+TP = 3
+COMPILE = True
+EVAL_WINDOWS = 256
+SPEED = {  # name -> (model args, simulate, comm, graph)
+    "smollm2-plain": (["--init-from", str(MODEL)], 1, "16", False),
+    "smollm2-plain-graph": (["--init-from", str(MODEL)], 1, "16", True),
+    "smollm2-tp3": (["--init-from", str(MODEL)], TP, "echo4", False),
+    "smollm2-tp3-graph": (["--init-from", str(MODEL)], TP, "echo4", True),
+    "testbed-plain": (["--model", "studies/testbed/model.json"], 1, "16", False),
+    "testbed-tp4-graph": (["--model", "studies/testbed/model.json"], 4, "echo4", True),
+}
+
+
+def train_args(out: Path, *, model: list[str], simulate: int, comm: str, steps: int, lr: float,
+               seed: int = 0, graph: bool = True, extra: tuple = ()) -> list[str]:
+    args = [sys.executable, "-m", "echo_tp.cli", "train", *model,
+            "--train-data", str(DATA / "smol-train.bin"), "--val-data", str(DATA / "smol-val.bin"),
+            "--seq-len", str(SEQ), "--batch-size", str(ROWS), "--steps", str(steps),
+            "--lr", str(lr), "--warmup", str(max(1, min(10, steps // 20))), "--bos",
+            *(["--compile"] if COMPILE else []), "--comm", comm, "--seed", str(seed), "--save-dtype", "bfloat16",
+            "--out-dir", str(out), "--no-progress", *extra]
+    if simulate > 1:
+        args += ["--simulate", str(simulate), "--sim-path", "batched"]
+    if graph:
+        args.append("--cuda-graph")
+    return args
+
+
+def launch(runs: dict[str, list[str]], logs: Path, parallel: bool) -> dict[str, int]:
+    """Run the commands (side by side, or one after another) -> name: return code."""
+    logs.mkdir(parents=True, exist_ok=True)
+    codes, procs = {}, {}
+    for name, cmd in runs.items():
+        f = open(logs / f"{name}.log", "w")
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+        if parallel:
+            procs[name] = p
+        else:
+            codes[name] = p.wait()
+            print(f"{name}: rc {codes[name]}", flush=True)
+    for name, p in procs.items():
+        codes[name] = p.wait()
+        print(f"{name}: rc {codes[name]}", flush=True)
+    return codes
+
+
+def result(out: Path) -> dict:
+    path = out / "result.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def prep(gguf: str) -> None:
+    for packed in DATA.glob("*.xz"):
+        target = packed.with_suffix("")
+        if not target.exists():
+            with lzma.open(packed) as src, open(target, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+    if not (MODEL / "model.safetensors").is_file():
+        from echo_tp.hf import gguf_to_hf
+        gguf_to_hf(gguf, MODEL)
+    print("prep done:", sorted(p.name for p in DATA.iterdir()), flush=True)
+
+
+def speed(out: Path, steps: int) -> dict:
+    runs = {name: train_args(out / name, model=model, simulate=sim, comm=comm, steps=steps,
+                             lr=1e-4, graph=graph, extra=("--eval-batches", "1"))
+            for name, (model, sim, comm, graph) in SPEED.items()}
+    launch(runs, out / "logs", parallel=False)
+    rows = {name: {k: result(out / name).get(k) for k in
+                   ("steady_tokens_per_s", "tokens_per_s", "steps", "cuda_graph")}
+            for name in SPEED}
+    for model in ("smollm2", "testbed"):
+        plain = rows.get(f"{model}-plain", {}).get("steady_tokens_per_s")
+        for name, row in rows.items():
+            if name.startswith(model) and plain and row["steady_tokens_per_s"]:
+                row["ratio_to_plain"] = row["steady_tokens_per_s"] / plain
+    (out / "speed.json").write_text(json.dumps(rows, indent=2) + "\n")
+    print(json.dumps(rows, indent=2), flush=True)
+    return rows
+
+
+def probe(out: Path) -> float:
+    runs = {f"lr{lr:g}": train_args(out / f"lr{lr:g}", model=["--init-from", str(MODEL)],
+                                    simulate=TP, comm="16", steps=PROBE_STEPS, lr=lr,
+                                    extra=("--eval-every", str(PROBE_STEPS // 3)))
+            for lr in PROBE_LRS}
+    launch(runs, out / "logs", parallel=True)
+    losses = {lr: result(out / f"lr{lr:g}").get("val_loss") for lr in PROBE_LRS}
+    best = min((v, lr) for lr, v in losses.items() if v is not None and math.isfinite(v))[1]
+    (out / "probe.json").write_text(json.dumps({"val_loss": {str(k): v for k, v in
+                                                             losses.items()}, "lr": best}) + "\n")
+    print("probe:", losses, "->", best, flush=True)
+    return best
+
+
+def study(out: Path, lr: float, steps: int, budget: float | None) -> None:
+    extra = ["--eval-every", str(steps // 4)]
+    if budget:
+        extra += ["--time-budget", str(budget)]
+    runs = {}
+    for comm in CONFIGS:
+        for seed in SEEDS:
+            tel = ["--telemetry-every", str(TELEMETRY_EVERY)] if comm != "16" else []
+            runs[f"{comm}-s{seed}"] = train_args(
+                out / f"{comm}-s{seed}", model=["--init-from", str(MODEL)], simulate=TP,
+                comm=comm, steps=steps, lr=lr, seed=seed, extra=(*extra, *tel))
+    t0 = time.time()
+    launch(runs, out / "logs", parallel=True)
+    print(f"training: {time.time() - t0:.0f} s", flush=True)
+    evals = {}
+    for name in runs:
+        comm = name.rsplit("-s", 1)[0]
+        ck = out / name / "checkpoints"
+        last = max(ck.glob("step-*"), key=lambda p: int(p.name.split("-")[1]), default=None)
+        if last is None:
+            continue
+        comms = ["16"] if comm == "16" else ["16", comm]
+        for data, tag in ((DATA / "smol-val.bin", "heldout"), (DATA / "wiki.valid.raw", "wiki")):
+            evals[f"{name}-{tag}"] = [
+                sys.executable, "-m", "echo_tp.cli", "eval", "--model", str(last), "--data",
+                str(data), "--bos", "--context", str(SEQ), "--comms", *comms, "--simulate",
+                str(TP), "--batch-size", "8", "--max-windows", str(EVAL_WINDOWS), "--no-progress",
+                "--out", str(out / name / f"eval-{tag}.json")]
+    launch(evals, out / "logs", parallel=True)
+    table = {}
+    for name in runs:
+        r = result(out / name)
+        row = {k: r.get(k) for k in ("steps", "tokens", "val_loss", "tail_loss",
+                                     "steady_tokens_per_s", "stopped_by", "cuda_graph")}
+        for tag in ("heldout", "wiki"):
+            path = out / name / f"eval-{tag}.json"
+            if path.is_file():
+                for res in json.loads(path.read_text())["results"]:
+                    row[f"{tag}_{res['label']}"] = {"nll": res["nll"], "ppl": res["ppl"]}
+        table[name] = row
+    (out / "study.json").write_text(json.dumps(table, indent=2) + "\n")
+    print(json.dumps(table, indent=2), flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("stage", choices=("prep", "speed", "probe", "study", "report"))
+    p.add_argument("runs", nargs="*")
+    p.add_argument("--gguf", default="/tmp/m/smollm2-135m-instruct-q4_1.gguf")
+    p.add_argument("--out", default="/tmp/train-llm")
+    p.add_argument("--out-dir", default=None)
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--steps", type=int, default=math.ceil(STUDY_TOKENS / (SEQ * ROWS)))
+    p.add_argument("--speed-steps", type=int, default=40)
+    p.add_argument("--budget", type=float, default=None)
+    a = p.parse_args(argv)
+    out = Path(a.out)
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    if a.stage == "prep":
+        prep(a.gguf)
+    elif a.stage == "speed":
+        speed(out, a.speed_steps)
+    elif a.stage == "probe":
+        probe(out)
+    elif a.stage == "study":
+        lr = a.lr
+        if lr is None:
+            lr = json.loads((out / "probe.json").read_text())["lr"]
+        study(out, lr, a.steps, a.budget)
+    else:
+        subprocess.run([sys.executable, "studies/train_schedule_report.py", *a.runs,
+                        "--out-dir", a.out_dir or str(out / "report")], check=True)
+
+
+if __name__ == "__main__":
+    main()
