@@ -166,7 +166,7 @@ def run_jobs(names: list[str], *, budget: float, out: Path, knobs: dict[str, str
         elif absent:
             status[job.name] = f"skipped: {', '.join(absent)} absent"
         if job.name in status:
-            log(f"SKIP {job.name} ({status[job.name]})")
+            log(f"SKIP {job.name}: {status[job.name].removeprefix('skipped: ')}")
             continue
         work = work_root / job.name
         shutil.rmtree(work, ignore_errors=True)
@@ -227,9 +227,10 @@ def pack(jobs: list[Job], status: dict, work_root: Path, out: Path) -> list[Path
     folder), then the jobs' `keep` files (NAME-FILE) while room is left. More jobs than the
     limit allows: one jobs.tgz of every work folder instead."""
     ran = [j for j in jobs if isinstance(status.get(j.name), int)]
-    for old in out.iterdir():
-        if old.name != "jobs.log":
-            old.unlink() if old.is_file() else shutil.rmtree(old)
+    for old in out.iterdir():              # what an earlier pack of these jobs left
+        if old.is_file() and (old.name == "jobs.tgz" or any(
+                old.name == f"{j.name}.tgz" or old.name.startswith(f"{j.name}-") for j in jobs)):
+            old.unlink()
     made = []
     if len(ran) + 1 > MAX_FILES:
         made.append(_tar(out / "jobs.tgz", [(work_root / j.name, j.name) for j in ran]))
