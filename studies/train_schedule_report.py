@@ -1,4 +1,4 @@
-"""The training study's table, curves and verdict from studies/device_train_schedule.sh outputs.
+"""The training study's table, curves and verdict from the `train-schedule` job outputs.
 
     python studies/train_schedule_report.py runs/*.tgz --out-dir docs/results/raw/2026-12-0x-train
     (or the unpacked run folders: each holds train_config.json, log.csv, val_rows.json and,

@@ -13,7 +13,7 @@ cases); a write that fails mid-run (a full disk, made with RLIMIT_FSIZE in a sub
 write gets EFBIG as it would ENOSPC) for tokenize (numpy's and Path's writes) and train's
 checkpoint (safetensors'); an OSError from anywhere.
 Where to look first: cli.main (_one_line), paths.py (the output checks, `writing`), the
-preflight at the top of each tool's main (eval/perplexity.py, train/loop.py, models/tokenize.py,
+preflight at the top of each tool's main (eval/runner.py, train/loop.py, models/tokenize.py,
 demo.py).
 """
 import json
@@ -137,8 +137,8 @@ EVAL = ["eval", "--model", "tiny-llama", "--comms", "16", "--context", "16", "--
 ])
 def test_eval_bad_arguments_are_found_before_the_model(files, capsys, monkeypatch, extra,
                                                        names):
-    from echo_tp.eval import perplexity
-    monkeypatch.setattr(perplexity, "launch", expensive)
+    from echo_tp.eval import runner
+    monkeypatch.setattr(runner, "launch", expensive)
     monkeypatch.chdir(files)
     args = EVAL + extra if "--model" not in extra else \
         [a for a in EVAL if a != "tiny-llama" and a != "--model"] + extra
@@ -146,8 +146,8 @@ def test_eval_bad_arguments_are_found_before_the_model(files, capsys, monkeypatc
 
 
 def test_eval_text_that_is_not_utf8_is_found_before_the_model(files, capsys, monkeypatch):
-    from echo_tp.eval import perplexity
-    monkeypatch.setattr(perplexity, "launch", expensive)
+    from echo_tp.eval import runner
+    monkeypatch.setattr(runner, "launch", expensive)
     monkeypatch.chdir(files)
     one_line(capsys, cli.main(EVAL + ["--data", "latin1.txt"]), "--data", "latin1.txt", "UTF-8")
 
@@ -176,8 +176,8 @@ def checkpoints(tmp_path_factory):
 @pytest.mark.parametrize("impl", ["echo", "transformers"])
 def test_eval_truncated_shard_among_several_is_named_first(files, checkpoints, capsys,
                                                            monkeypatch, mode, impl):
-    from echo_tp.eval import perplexity
-    monkeypatch.setattr(perplexity, "launch", expensive)
+    from echo_tp.eval import runner
+    monkeypatch.setattr(runner, "launch", expensive)
     root, shard = checkpoints
     code = cli.main(["eval", "--model", str(root / "truncated"), "--data", str(files / "tok.bin"),
                      "--comms", "16", "--context", "16", "--model-impl", impl, *mode])

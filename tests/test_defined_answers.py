@@ -391,8 +391,8 @@ def test_simulate_zero_has_a_clear_message(capsys):
 
 
 def test_unwritable_out_is_found_before_the_eval(monkeypatch, capsys, tmp_path):
-    from echo_tp.eval import perplexity
-    monkeypatch.setattr(perplexity, "launch", lambda *a, **k: pytest.fail("eval ran"))
+    from echo_tp.eval import runner
+    monkeypatch.setattr(runner, "launch", lambda *a, **k: pytest.fail("eval ran"))
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     assert cli.main(["eval", "--model", "tiny-llama", "--data", "x.bin", "--simulate", "2",

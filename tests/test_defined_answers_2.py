@@ -220,7 +220,7 @@ def _gloo_worker(rank, world_size):
     records = []
     handler = logging.Handler()
     handler.emit = records.append
-    logging.getLogger("echo_tp.communicator").addHandler(handler)
+    logging.getLogger("echo_tp").addHandler(handler)
     long_group = dist.new_group([0, 1])
     for group in (long_group, long_group, dist.new_group([0, 1], timeout=group_timeout()), None):
         EchoCommunicator.from_group(group, EchoConfig(bits=4))

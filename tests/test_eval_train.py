@@ -10,7 +10,7 @@ What is checked:
   a text file through the GPT-2 tokenizer. (eval's gloo path is the launcher train uses; real vs
   simulated logits are compared bit for bit in test_tp.py.)
 - the window and batch arithmetic, the LR schedule, and errors for bad input.
-Where to look first: eval numbers -> eval/perplexity.py (sliding_windows, window_nll); training
+Where to look first: eval numbers -> eval/metric.py (sliding_windows, window_nll); training
 -> train/loop.py, then tp/grads.py (sync, norm); spawn failures -> tp/runtime.py.
 """
 import csv

@@ -3,7 +3,7 @@ bit policies, the hidden-size rotation, and `echo-tp eval` using them end to end
 
 Where to look first: intervals -> eval/stats.py; last-word targets -> eval/lastword.py; chosen
 bit tables -> tp/policy.py (telemetry_policy); a rotated model that changed its outputs ->
-models/rotate.py; the eval rows -> eval/perplexity.py (_add_statistics).
+models/rotate.py; the eval rows -> eval/runner.py (_add_statistics).
 """
 import json
 import math
@@ -222,7 +222,7 @@ def test_eval_kl_to_the_16_bit_model(tmp_path):
 
 def test_eval_sequence_parallel(tmp_path):
     """eval --sequence-parallel: the 16-bit SP model scores the windows as the non-SP one
-    (fp32), and quantized SP configs run; windows must fill P shards (BOS + context)."""
+    (fp32), and quantized SP configs run; a window P does not divide is padded."""
     g = torch.Generator().manual_seed(1)
     write_tokens(torch.randint(1, 256, (700,), generator=g).numpy().astype("uint16"),
                  tmp_path / "val.bin", vocab_size=256, meta={"eos_id": 0})
@@ -237,8 +237,10 @@ def test_eval_sequence_parallel(tmp_path):
     # and 3 at edge_bits 8 (its reduce-scatters average 6.25 bits), its gathers at gather_bits 8
     # (gather_bits=0: each site's width); naive '4' at 4 everywhere
     assert [r["wire_bits"] for r in sp] == [16.0, 4.25, (6.375 + 8.375) / 2, 6.375]
-    with pytest.raises(ValueError, match="divisible"):
-        eval_main(comms=["16"], sequence_parallel=True, **{**kw, "context": 64})
+    # BOS + 64 positions: padded to 66 for the 2 shards, the pad unscored (tests/test_eval_sp.py)
+    padded = eval_main(comms=["16"], sequence_parallel=True, **{**kw, "context": 64})
+    assert padded[0]["ppl"] == pytest.approx(eval_main(comms=["16"], **{**kw, "context": 64})[0]
+                                             ["ppl"], rel=1e-5)
     with pytest.raises(ValueError, match="names no tokenizer"):   # no tokenizer to read words
         eval_main(comms=["16"], last_word=True, **kw)
 

@@ -24,7 +24,7 @@ w + 1 norms, as Gemma 3 270M's; F32 tensors, so nothing is rounded on the way in
 Where to look first: a loading mismatch -> hf/gguf.py load_gguf_model (the dequantize request,
 the dropped quantizer), then transformers' GGUF loader for that architecture; a P=2 mismatch
 -> hf/plan.py as in test_hf_tp.py; eval -> eval/text.py (tokenizer_source, data_bos_id) and
-eval/perplexity.py model_impl.
+eval/config.py model_impl.
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ project's own Transformer reproduces, so `--model-impl auto` picks transformers)
   differ by fp32 regrouping only, ~1e-7 relative: a flip would need a sampled draw or a top-k /
   top-p cut within that of a boundary; if one ever appears at a new seed, check the logits
   first: a real shard error moves them by O(1)).
-Where to look first: eval -> eval/perplexity.py model_impl / _rank_eval (the transformers
+Where to look first: eval -> eval/config.py model_impl, eval/runner.py _rank_eval (the transformers
 branch); train -> train/loop.py _build_hf / _loss; save -> hf/save.py; generate ->
 hf/parallelize.py split_cache (per-shard caches) and the masks transformers builds (padding
 reaches every shard through the same kwargs).

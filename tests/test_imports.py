@@ -8,18 +8,20 @@ module imports, at the top or inside a function, is compared with the house's on
   * imports inside functions are of optional dependencies only: triton (and the package's
     modules that need it: the kernels but fits, the p2p / one-shot / simulated-fused backends,
     symmetric memory), transformers (echo_tp.hf), megatron-core (echo_tp.megatron), vLLM
-    (echo_tp.vllm.plugin).
+    (echo_tp.vllm.plugin), gguf, matplotlib;
+  * the source names no issue numbers (docstrings say what the code does, not which ticket).
 Where to look when it fails: the module and line named; move the shared piece down a floor
 (STYLE.md, "Imports tell the truth") rather than importing it inside a function.
 """
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 OPTIONAL = ("triton", "transformers", "megatron", "torch.distributed._symmetric_memory",
-            "vllm", "echo_tp.hf", "echo_tp.megatron", "echo_tp.vllm.plugin",
+            "vllm", "gguf", "matplotlib", "echo_tp.hf", "echo_tp.megatron", "echo_tp.vllm.plugin",
             "echo_tp.collective.p2p",
             "echo_tp.collective.oneshot", "echo_tp.collective.symm",
             "echo_tp.collective.simulated_fused")
@@ -105,3 +107,10 @@ def test_function_local_imports_are_optional_dependencies_only():
            if local and not t.startswith(OPTIONAL)
            and not (t.startswith("echo_tp.kernels") and t != "echo_tp.kernels.fits")]
     assert not bad, "\n".join(bad)
+
+
+def test_no_issue_numbers_in_the_source():
+    bad = [f"{p.relative_to(SRC)}:{i}" for p in SRC.rglob("*.py")
+           for i, line in enumerate(p.read_text().splitlines(), 1)
+           if re.search(r"\b[Ii]ssues? \d+", line)]
+    assert not bad, bad

@@ -16,7 +16,7 @@ What is checked, each against an independent computation:
   run's own validation loss within bf16 rounding;
 - eval --bos: each window read after BOS, BOS position unscored, the same targets scored.
 Where to look first: train/data.py (packing), train/loop.py + train/model.py (modes, budget,
-saving), eval/perplexity.py (window_nll), models/config.py (resolve_model_config).
+saving), eval/metric.py (window_nll), models/config.py (resolve_model_config).
 """
 import csv
 import dataclasses

@@ -11,8 +11,8 @@ import traceback
 from safetensors import SafetensorError
 
 from . import demo, envs
-from .eval import perplexity
-from .eval.perplexity import EvalOptions
+from .eval import runner as eval_runner
+from .eval.config import EvalOptions
 from .launch import RankError
 from .models import tokenize
 from .options import add_options, from_args
@@ -70,7 +70,7 @@ def _eval(sub):
     p = sub.add_parser("eval", help="perplexity under several comm configs (16/8/4/Echo/...)")
     groups = _group(p, "TP group (pick one; under torchrun: neither)")
     add_options(p, EvalOptions, groups)
-    p.set_defaults(func=lambda a: perplexity.main(**from_args(EvalOptions, a),
+    p.set_defaults(func=lambda a: eval_runner.main(**from_args(EvalOptions, a),
                                                   **from_args(Group, a)))
 
 

@@ -17,7 +17,7 @@ halves of the quantized all-reduce (collective/sharded.py), with their own compe
 per direction and kind (reset by new_pass with the all-reduce's) and the same checks below.
 They leave no telemetry rows (telemetry covers the all-reduce).
 
-Defined answers (issues 15, 28):
+Defined answers:
 * Ranks must make the same calls: every call's signature (kind, numel, dtype, bits, direction,
   device) is agreed across ranks before a packet moves, the numel of quantized CPU calls
   in-band (echo_tp/agreement.py says how and what it costs); ranks that disagree get a
@@ -32,60 +32,41 @@ Defined answers (issues 15, 28):
 * Calls outside any pass keep one state stream per tensor size; past MAX_STREAMS sizes the
   oldest stream is dropped (its compensation restarts from zero, as at a new pass).
 
-Where the rest lives: the halves' shapes (dim, the simulated rank dim) in echo_tp/halves.py,
-the backends and which one a call gets in collective/ (dispatch.py, routing.py).
+Where the rest lives: the passes in echo_tp/passes.py, the block boundary's forms in echo_tp/boundary.py, the argument checks in
+echo_tp/checks.py, the state streams in echo_tp/streams.py, the halves' shapes (dim, the
+simulated rank dim) in echo_tp/halves.py, the backends and which one a call gets in
+collective/ (dispatch.py, routing.py).
 """
 from __future__ import annotations
 
-import contextlib
 import functools
-import logging
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from . import envs
 from .agreement import Agreement, check_same_config
+from .boundary import Boundary, Reduced, finish, over_ranks, promoted
+from .checks import check_direction, check_input
 from .collective.dispatch import Dispatcher, TransportBackend, build_dispatcher
-from .collective.reference import group_wait_s
+from .collective.reference import warn_if_long_wait
 from .collective.simulated import SimTransport
-from .compensator import NormOutput, PassState
-from .config import DIRECTIONS, DTYPES, KINDS, EchoConfig, check_bits
+from .compensator import NormOutput
+from .config import EchoConfig, check_bits
 from .guard import OneThread
 from .halves import half_view
 from .mapped import run_mapped
-from .norm import add_rmsnorm, check_add_rmsnorm, rmsnorm
+from .norm import check_add_rmsnorm
+from .passes import Passes
+from .streams import MAX_STREAMS, state_of
 from .telemetry import Telemetry
 
-log = logging.getLogger(__name__)
-
-MAX_STREAMS = 16
-"""Compensator state streams (distinct tensor sizes) one direction keeps; the oldest beyond."""
+__all__ = ["EchoCommunicator", "SimulatedCommunicator", "Boundary", "Reduced", "MAX_STREAMS"]
 
 
-@dataclass(frozen=True)
-class Boundary:
-    """A block boundary riding on an all-reduce of y: residual_out = residual + y, normed =
-    RMSNorm(residual_out) * weight (residual: the call's shape and dtype)."""
-
-    residual: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-
-
-@dataclass(frozen=True)
-class Reduced:
-    """An all-reduce's result: `out` is y ('y'), residual + y ('residual_out': the backend
-    added it where y is decoded) or (normed, residual_out) ('normed': the backend ran the
-    whole boundary)."""
-
-    out: object
-    form: str = "y"
-
-
-class EchoCommunicator:
-    """Compensated quantized all-reduce over one group (real ranks, or P virtual ones)."""
+class EchoCommunicator(Passes):
+    """Compensated quantized all-reduce over one group (real ranks, or P virtual ones); its
+    passes (new_pass, pass_scope, state): echo_tp/passes.py."""
 
     simulated = False
 
@@ -95,16 +76,11 @@ class EchoCommunicator:
         self.dispatcher = dispatcher
         self.world_size = dispatcher.world_size
         self.group = group
-        self.passes = {d: PassState() for d in DIRECTIONS}
-        """The all-reduce's compensator state streams and site counters, per direction."""
-        self.half_passes = {k: {d: PassState() for d in DIRECTIONS} for k in KINDS[1:]}
-        """The same for the reduce-scatter and all-gather: [kind][direction]."""
-        self.telemetry = Telemetry() if telemetry else None
+        super().__init__(Telemetry() if telemetry else None)
         self.agreement = Agreement(group, dispatcher.lengths)
         """The cross-rank call check (echo_tp/agreement.py; quantized CPU calls: in-band)."""
         self.guard = OneThread()
         self._configs: dict[int, EchoConfig] = {}
-        self._open_scopes: set[str] = set()
 
     @classmethod
     def from_group(cls, group: dist.ProcessGroup | None = None, config: EchoConfig | None = None,
@@ -114,57 +90,10 @@ class EchoCommunicator:
         warning when the group waits longer on a peer than ECHO_COLLECTIVE_TIMEOUT_S (torch's
         default is 30 minutes: build it with timeout=echo_tp.launch.group_timeout())."""
         config = config if config is not None else EchoConfig()
-        wait = group_wait_s(group)
-        if wait is not None and wait > envs.collective_timeout_s():
-            _warn_long_wait(id(group if group is not None else dist.group.WORLD), wait,
-                            envs.collective_timeout_s())
+        warn_if_long_wait(group)
         if check_config:
             check_same_config(config, group)
         return cls(build_dispatcher(group, backend), config, telemetry=telemetry, group=group)
-
-    # ----- passes -----
-    def new_pass(self, direction: str = "forward") -> None:
-        """Start a pass: zero the compensator state of `direction` and restart site numbering."""
-        _check_direction(direction)
-        self.passes[direction].reset()
-        for kind in self.half_passes.values():
-            kind[direction].reset()
-        if self.telemetry is not None:
-            self.telemetry.new_pass(direction)
-
-    @contextlib.contextmanager
-    def pass_scope(self, direction: str = "forward"):
-        """`with comm.pass_scope('forward'):` runs one pass with fresh compensator state.
-        Scopes of one direction do not nest (the inner one would reset the outer pass)."""
-        _check_direction(direction)
-        if direction in self._open_scopes:
-            raise RuntimeError(f"a {direction!r} pass_scope is already open on this "
-                               "communicator; a nested one would reset the outer pass's "
-                               "compensator state. Close the outer scope first, or use a second "
-                               "communicator for an independent pass")
-        self.new_pass(direction)
-        self._open_scopes.add(direction)
-        try:
-            yield self
-        finally:
-            self._open_scopes.discard(direction)
-
-    def state(self, direction: str = "forward", numel: int | None = None,
-              kind: str = "all_reduce"):
-        """The compensator state (CompState) of a direction's stream of `numel`-sized calls of
-        `kind` (numel: the input's per-rank size)."""
-        streams = self._pass(kind, direction).streams
-        if numel is None:
-            if len(streams) != 1:
-                raise ValueError(f"{len(streams)} state streams exist; name numel")
-            return next(iter(streams.values()))
-        return streams.get(numel)
-
-    def _pass(self, kind: str, direction: str) -> PassState:
-        if kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-        return self.passes[direction] if kind == "all_reduce" else \
-            self.half_passes[kind][direction]
 
     # ----- the collective -----
     def config_for(self, bits: int | None, kind: str = "all_reduce") -> EchoConfig:
@@ -217,23 +146,12 @@ class EchoCommunicator:
                                weight: torch.Tensor, eps: float, *, direction: str = "forward",
                                bits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """A block boundary in one call: residual_out = residual + all_reduce(partial) and
-        normed = RMSNorm(residual_out) * weight (echo_tp.norm: the models' RMSNorm, the sum of
-        squares in a fixed order) -> (normed, residual_out). partial, residual [..., H]
-        (simulated: [P, ..., H], residual [..., H] or [P, ..., H]); weight [H]. Of two dtypes
-        (autocast: a bf16 partial, an fp32 residual) both are taken in the promoted one, as
-        `residual + y` would, and residual_out has it.
-
-        Where the call's backend adds the residual where y is decoded (p2p: the reduce's own
-        segment and the tail write residual + y instead of y), the all-reduce returns
-        residual_out and one norm-only pass follows (norm.rmsnorm); elsewhere the all-reduce
-        returns y and the add and the norm run as one pass after it (norm.add_rmsnorm; one
-        kernel on CUDA). Both give add_rmsnorm_reference(all_reduce(partial), residual, ...)
-        bit for bit, with the same compensator state.
-
-        Simulated, with one residual [..., H] for every virtual rank (and a backend that does
-        not add it): the ranks' y rows are identical, so the add and the norm run once, on
-        row 0 (each row's bits), and both outputs are that row expanded over the ranks."""
-        self._check_input(partial, "all_reduce")
+        normed = RMSNorm(residual_out) * weight -> (normed, residual_out); bit for bit the
+        all-reduce then norm.add_rmsnorm_reference, whichever backend adds what
+        (echo_tp/boundary.py). partial, residual [..., H] (simulated: [P, ..., H], residual
+        [..., H] or [P, ..., H]); weight [H]. Of two dtypes both are taken in the promoted
+        one, as `residual + y` would, and residual_out has it."""
+        check_input(partial, "all_reduce")
         if self.simulated and residual.shape == partial.shape[1:] and (
                 residual.dtype != partial.dtype or not self.dispatcher.adds_residual(
                     self._flatten(partial), self.config_for(bits))):
@@ -243,33 +161,23 @@ class EchoCommunicator:
                     y = self._all_reduce(partial, direction, bits, False).out[0]
             else:
                 y = self.all_reduce(partial, direction=direction, bits=bits)[0]
-            dtype = torch.promote_types(y.dtype, residual.dtype)
-            normed, rout = add_rmsnorm(y.to(dtype), residual.to(dtype).contiguous(), weight, eps)
-            return normed.expand(partial.shape[0], *normed.shape), \
-                rout.expand(partial.shape[0], *rout.shape)
+            return over_ranks(promoted(y, residual, weight, eps), partial.shape[0])
         if residual.shape != partial.shape:
             residual = residual.expand(partial.shape)
-        if isinstance(residual, torch.Tensor) and residual.dtype != partial.dtype:
-            # autocast: a bf16 block output onto an fp32 residual stream. As the plain model's
-            # `residual + y` does, both in the promoted dtype (y widened exactly), then the norm
-            dtype = torch.promote_types(partial.dtype, residual.dtype)
+        if residual.dtype != partial.dtype:     # autocast: a bf16 block output, fp32 stream
             y = self.all_reduce(partial, direction=direction, bits=bits)
-            return add_rmsnorm(y.to(dtype), residual.to(dtype).contiguous(), weight, eps)
+            return promoted(y, residual, weight, eps)
         check_add_rmsnorm(partial, residual, weight)
         with self.guard.entered("all_reduce"):
             r = self._all_reduce(partial, direction, bits, False, Boundary(residual, weight, eps))
-        if r.form == "normed":                 # the whole boundary in the backend's kernel
-            return r.out
-        if r.form == "residual_out":
-            return rmsnorm(r.out, weight, eps), r.out
-        return add_rmsnorm(r.out, residual.contiguous(), weight, eps)
+        return finish(r, residual, weight, eps)
 
     def _all_reduce(self, x, direction, bits, inplace, boundary: Boundary | None = None,
                     output_map: NormOutput | None = None) -> Reduced:
         """The all-reduce of x; with a boundary, what of it the call's backend runs too
         (Reduced.form; Dispatcher.adds_residual, Dispatcher.run_boundary)."""
-        _check_direction(direction)
-        self._check_input(x, "all_reduce")
+        check_direction(direction)
+        check_input(x, "all_reduce")
         cfg = self.config_for(bits)
         ps = self.passes[direction]
         site = ps.sites
@@ -280,7 +188,7 @@ class EchoCommunicator:
             return Reduced(x if inplace else x.clone())
         if flat.shape[-1] == 0 and not inband:
             return Reduced(x.clone())
-        state = self._state_of(ps, flat, cfg)
+        state = state_of(ps, flat, cfg)
         record = self.telemetry is not None and cfg.quantized
         inplace = inplace and x.is_contiguous() and (flat is x or flat.data_ptr() == x.data_ptr())
         if boundary is not None and not record and not self.simulated:
@@ -305,8 +213,8 @@ class EchoCommunicator:
 
     def _half(self, kind, x, dim, direction, bits, compensate):
         """A reduce-scatter or all-gather: the checks of all_reduce, dim moved to the front."""
-        _check_direction(direction)
-        self._check_input(x, kind)
+        check_direction(direction)
+        check_input(x, kind)
         cfg = self.config_for(bits, kind)
         ps = self.half_passes[kind][direction]
         if self.simulated:
@@ -318,35 +226,14 @@ class EchoCommunicator:
             return x.clone()
         if flat.shape[-1] == 0 and not inband:
             return restore(flat.clone())
-        state = self._state_of(ps, flat, cfg) if compensate else None
+        state = state_of(ps, flat, cfg) if compensate else None
         with self.agreement.in_band(inband, flat, cfg, direction, kind):
             y = self.dispatcher.run_half(kind, flat, cfg, state=state,
                                          backward=direction == "backward")
         return restore(y)
 
-    def _state_of(self, ps: PassState, flat: torch.Tensor, cfg: EchoConfig):
-        """The compensator state stream of flat's size in ps (None when uncompensated)."""
-        if not cfg.compensated:
-            return None
-        sdtype = getattr(torch, cfg.state_dtype)
-        state = ps.get(flat.shape[-1], tuple(flat.shape[:-1]), flat.device, sdtype,
-                       compact=cfg.beta1 == cfg.beta2)   # one tensor when m1 == m2
-        _bound_streams(ps, flat.shape[-1])
-        return state
-
     def _flatten(self, x: torch.Tensor) -> torch.Tensor:
         return x if x.dim() == 1 else x.reshape(-1)
-
-    def _check_input(self, x: torch.Tensor, kind: str) -> None:
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{kind} expects a torch.Tensor, got {type(x).__name__}")
-        if x.dtype not in DTYPES:
-            raise ValueError(f"{kind} supports {DTYPES}, got {x.dtype}")
-        if x.requires_grad and torch.is_grad_enabled():
-            raise RuntimeError(f"{kind} got a tensor that requires_grad with grad mode on, "
-                               "but it is no autograd op (its result would be detached). Call "
-                               "it under torch.no_grad() or on x.detach(), or use the TP layers "
-                               "of echo_tp.tp, whose sites give the collectives their backward")
 
     def telemetry_summary(self, reduce: bool = True) -> list[dict]:
         if self.telemetry is None:
@@ -355,11 +242,7 @@ class EchoCommunicator:
 
     def close(self) -> None:
         self.dispatcher.close()
-        for ps in self.passes.values():
-            ps.reset()
-        for kind in self.half_passes.values():
-            for ps in kind.values():
-                ps.reset()
+        self.reset_passes()
 
 
 class SimulatedCommunicator(EchoCommunicator):
@@ -392,27 +275,3 @@ class SimulatedCommunicator(EchoCommunicator):
                              f"{self.world_size} (one slice per virtual rank), "
                              f"got {tuple(x.shape)}")
         return x.reshape(self.world_size, -1)
-
-
-def _check_direction(direction: str) -> None:
-    if direction not in DIRECTIONS:
-        raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
-
-
-def _bound_streams(ps, keep: int) -> None:
-    """At most MAX_STREAMS state streams per direction: drop the oldest (not `keep`)."""
-    while len(ps.streams) > MAX_STREAMS:
-        oldest = next(n for n in ps.streams if n != keep)
-        del ps.streams[oldest]
-        log.warning("echo-tp: more than %d tensor sizes in one pass; dropped the compensator "
-                    "state of size %d (start passes with new_pass/pass_scope)", MAX_STREAMS,
-                    oldest)
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_long_wait(group_id: int, wait: float, limit: float) -> None:
-    """One warning per group (and timeout) per process."""
-    log.warning("echo-tp: this process group waits %g s on a peer, longer than "
-                "ECHO_COLLECTIVE_TIMEOUT_S=%g s: a rank that dies leaves the others waiting "
-                "that long. Build it with timeout=echo_tp.launch.group_timeout() "
-                "(torch's default is 30 minutes)", wait, limit)

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from .communicator import EchoCommunicator
 from .config import EchoConfig
-from .eval.perplexity import main as eval_main
+from .eval.runner import main as eval_main
 from .launch import run_ranks
 from .paths import check_file_target, writing
 

@@ -1,5 +1,5 @@
-# The fidelity testbed's training recipe, in one place: sourced by studies/device_testbed.sh,
-# device_schedule_probe.sh and device_train_schedule.sh (README: "For a fidelity study").
+# The fidelity testbed's training recipe, in one place: sourced by the `testbed` job,
+# `schedule-probe` and `train-schedule` (README: "For a fidelity study").
 #   testbed_args STEPS   -> the `echo-tp train` arguments of a schedule of STEPS steps
 # Model studies/testbed/model.json (86.0M parameters, Qwen3-style, 24 x 512). Data .work/data/
 # gut108 (101 Gutenberg books, 17,514,666 tokens; 7 whole books held out, 726,632 tokens:
@@ -11,7 +11,7 @@
 # text from outside the corpus 30.9 -> 80.7 (issue 30). The held-out minimum of that run lies
 # at or before ~3.7 passes with the LR still at half its peak; a schedule whose LR anneals to
 # its end takes its drop earlier, so its best end is earlier still. 2 passes is the schedule
-# the probe (studies/device_schedule_probe.sh: 1, 2 and 3 passes, 16-bit, held-out loss)
+# the probe (the `schedule-probe` job: 1, 2 and 3 passes, 16-bit, held-out loss)
 # confirms or replaces; set TESTBED_STEPS from its best final held-out loss.
 # Held-out loss: 22 batches of 64 rows, 1408 of the 1421 held-out rows (whole batches: a
 # partial last one would compile another graph under --compile).

@@ -15,12 +15,17 @@ torch's own) and transports without one send the bare rows.
 """
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 import torch.distributed as dist
 
 from .. import envs
 from .inband import (OPS, CallLengthMismatch, CallLengths, Widths, byte_numels, byte_row,
                      check_numels, wire_len)
+
+log = logging.getLogger(__name__)
 
 
 # torch >= 2.13 names them *_single; older releases only have the *_tensor forms
@@ -159,3 +164,21 @@ def group_wait_s(group: dist.ProcessGroup | None = None) -> float | None:
         return float(timeout.total_seconds())
     except (AttributeError, RuntimeError, ValueError, TypeError):
         return None
+
+
+def warn_if_long_wait(group: dist.ProcessGroup | None = None) -> None:
+    """Log one warning (per group and timeout, per process) when the group waits on a peer
+    longer than ECHO_COLLECTIVE_TIMEOUT_S: a rank that dies leaves the others waiting that
+    long (torch's default is 30 minutes)."""
+    wait = group_wait_s(group)
+    if wait is not None and wait > envs.collective_timeout_s():
+        _warn_long_wait(id(group if group is not None else dist.group.WORLD), wait,
+                        envs.collective_timeout_s())
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_long_wait(group_id: int, wait: float, limit: float) -> None:
+    log.warning("echo-tp: this process group waits %g s on a peer, longer than "
+                "ECHO_COLLECTIVE_TIMEOUT_S=%g s: a rank that dies leaves the others waiting "
+                "that long. Build it with timeout=echo_tp.launch.group_timeout() "
+                "(torch's default is 30 minutes)", wait, limit)

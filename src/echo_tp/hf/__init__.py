@@ -1,4 +1,4 @@
-"""Echo for transformers' own models (issue 16): the TP plan comes from the model's config.
+"""Echo for transformers' own models: the TP plan comes from the model's config.
 
     plan.py         base_model_tp_plan (transformers style names) -> echo_tp.tp plan table
     parallelize.py  parallelize_hf(model, comm[, rank]): shard in place, Echo at every site

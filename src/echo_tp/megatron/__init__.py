@@ -1,4 +1,4 @@
-"""Echo inside megatron-core (issue 31): every TP activation collective of a GPTModel through an
+"""Echo inside megatron-core: every TP activation collective of a GPTModel through an
 EchoCommunicator, forward and backward, with the sites and passes of echo-tp's own TP engine.
 
     from echo_tp.megatron import echo_block_spec, enable_echo
