@@ -147,6 +147,11 @@ class EchoConfig:
     """dtype of the compensator state m1, m2 (SPEC §4: float32). bf16 by default: fp32
     arithmetic, one rounding per store, a quarter of the fp32 pair's state traffic, which decides
     the fused kernels' speed (docs/results/2026-11-30-compact-state.md, -p2p-x2-r4.md)."""
+    preset: str | None = dataclasses.field(default=None, compare=False, repr=False)
+    """The preset name this config was built from (`from_name`), kept through `replace`. The
+    collective never reads it (not in `signature`, equality or repr); the TP engine takes the
+    preset's width rules from it when parallelize gets no WidthPlan (tp.policy.WidthPlan.of),
+    so a preset name means the same widths everywhere."""
 
     def __post_init__(self) -> None:
         check_bits(self.bits)
@@ -195,8 +200,9 @@ class EchoConfig:
         return dataclasses.replace(self, **changes)
 
     def signature(self) -> tuple:
-        """A tuple every rank must agree on (checked once at communicator setup)."""
-        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+        """A tuple every rank must agree on (checked once at communicator setup): every field
+        the collective reads (not `preset`)."""
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.compare)
 
     # Named configurations used by the demo, eval and benchmarks (a TP model's width rules of
     # each: echo_tp.tp.policy.WidthPlan.from_name).
@@ -221,7 +227,7 @@ class EchoConfig:
         }
         if name not in presets:
             raise ValueError(f"unknown comm config {name!r}; known: {sorted(presets)}")
-        return cls(**presets[name])
+        return cls(**presets[name], preset=name)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -154,7 +154,7 @@ def enable_echo(model, comm, *, policy=None) -> MegatronContext:
     _check_comm(comm, tp_group)
     n_layers = config.num_layers
     P = comm.world_size
-    ctx = MegatronContext(comm=comm, widths=WidthPlan.of(policy).resolved(n_layers),
+    ctx = MegatronContext(comm=comm, widths=WidthPlan.of(policy, comm.config).resolved(n_layers),
                           world_size=P, n_layers=n_layers, rank=dist.get_rank(tp_group),
                           sequence_parallel=bool(config.sequence_parallel) and P > 1,
                           model_name=type(gpt).__name__)

@@ -44,6 +44,7 @@ from torch import nn
 from echo_tp.models.transformer import LayerKVCache, Transformer
 
 from . import batched, sequence
+from .agree import check_same_widths
 from .blocks import block_input as _block_input
 from .blocks import join_heads as _join_heads
 from .blocks import set_local_heads as _set_local_heads
@@ -184,9 +185,12 @@ def parallelize(model: Transformer, comm, rank: int | None = None, *, policy=Non
     (tp.policy.site_width).
 
     policy: a tp.policy.WidthPlan (the per-site policy, the edge and gather rules), or its
-    per-site policy alone under the default rules: None (the config's bits), a preset name
-    ('uniform4', 'uniform8', '16', 'early8', ...), a {site: bits} table, a per-site list or a
-    callable (tp.policy.make_policy).
+    per-site policy alone under the rules of comm.config's preset (EchoConfig.from_name('4'):
+    every site at 4 bits, as the comm spec '4'; a config of no preset: the default rules):
+    None (the config's bits), a preset name ('uniform4', 'uniform8', '16', 'early8', ...), a
+    {site: bits} table, a per-site list or a callable (tp.policy.make_policy).
+    Real ranks agree on the resolved per-site widths here, once (tp/agree.py: a ValueError on
+    every rank naming each rank's widths when they differ).
     sequence_parallel: the residual stream between blocks sharded over the sequence, each
     all-reduce a reduce-scatter and an all-gather through comm (tp/sequence.py; the sequence
     length must be divisible by P; a group of one runs as without it).
@@ -214,9 +218,10 @@ def parallelize(model: Transformer, comm, rank: int | None = None, *, policy=Non
             rank = dist.get_rank(comm.group)
         if not 0 <= rank < P:
             raise ValueError(f"rank {rank} is outside the TP group of {P}")
-    tp = TPContext(comm=comm, widths=WidthPlan.of(policy).resolved(n_layers), world_size=P,
-                   n_layers=n_layers, rank=None if simulated else rank, cfg=cfg,
+    tp = TPContext(comm=comm, widths=WidthPlan.of(policy, comm.config).resolved(n_layers),
+                   world_size=P, n_layers=n_layers, rank=None if simulated else rank, cfg=cfg,
                    sequence_parallel=bool(sequence_parallel) and P > 1, sim_path=sim_path)
+    check_same_widths(tp)
     blocks = [(n, m, s) for n, m in model.named_modules()
               if isinstance(s := match_plan(plan, n), BlockInput)]
     if simulated:
@@ -314,7 +319,8 @@ def set_comm(model: Transformer, comm, *, policy=None) -> None:
                          f"{'virtual' if tp.simulated else 'real'} ranks; got a communicator of "
                          f"{comm.world_size} ({'simulated' if comm.simulated else 'real'})")
     tp.comm = comm
-    tp.widths = WidthPlan.of(policy).resolved(tp.n_layers)
+    tp.widths = WidthPlan.of(policy, comm.config).resolved(tp.n_layers)
+    check_same_widths(tp)
 
 
 def _context(model) -> TPContext:

@@ -47,7 +47,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from echo_tp.config import EchoConfig, check_bits
+from echo_tp.config import EchoConfig
 
 from .plan import SITES_PER_LAYER
 
@@ -57,7 +57,7 @@ SITE_KINDS = ("reduce", "gather")
 """What a site's collective does: 'reduce' (the all-reduce, or SP's reduce-scatter: the
 compensated sum) or 'gather' (SP's all-gather: uncompensated)."""
 _KEY_ALIASES = {"g": "group_size"}
-_FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(EchoConfig)}
+_FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(EchoConfig) if f.name != "preset"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,8 +77,12 @@ class WidthPlan:
 
     def __post_init__(self) -> None:
         for name in ("edge_bits", "gather_bits"):
-            if getattr(self, name) != 0:
-                check_bits(getattr(self, name), name)
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v not in RULE_BITS:
+                hint = (f"; write {name}={int(v)}" if isinstance(v, float) and v.is_integer()
+                        and int(v) in RULE_BITS else "")
+                raise ValueError(f"WidthPlan {name} must be one of the ints {RULE_BITS} (0: the "
+                                 f"rule off), got {v!r} ({type(v).__name__}){hint}")
 
     def replace(self, **changes) -> "WidthPlan":
         return dataclasses.replace(self, **changes)
@@ -96,10 +100,14 @@ class WidthPlan:
         return self.policy if isinstance(self.policy, str) else "table"
 
     @classmethod
-    def of(cls, policy) -> "WidthPlan":
-        """A WidthPlan as given, or a bare policy (make_policy's spec) under the default edge
-        and gather rules."""
-        return policy if isinstance(policy, WidthPlan) else cls(policy=policy)
+    def of(cls, policy, config: EchoConfig | None = None) -> "WidthPlan":
+        """A WidthPlan as given, or a bare policy (make_policy's spec) under the edge and gather
+        rules of the config's preset (`config.preset`, WidthPlan.from_name: a preset name means
+        the same widths here as in a comm spec); a config of no preset: the default rules."""
+        if isinstance(policy, WidthPlan):
+            return policy
+        preset = None if config is None else config.preset
+        return cls.from_name(preset).replace(policy=policy) if preset else cls(policy=policy)
 
     @classmethod
     def from_name(cls, name: str) -> "WidthPlan":
@@ -108,6 +116,9 @@ class WidthPlan:
         'echo4-output' has no edge rule; 'early8' is the early8 policy; the rest the defaults."""
         return cls(**PRESET_WIDTHS.get(name, {}))
 
+
+RULE_BITS = (0, 4, 8, 16)
+"""The values of edge_bits and gather_bits (0: the rule off)."""
 
 PRESET_WIDTHS = {
     "8": dict(edge_bits=0, gather_bits=0),
@@ -233,8 +244,9 @@ class CommSpec:
 
     def as_dict(self) -> dict:
         """One flat row: label, policy (name), the config's fields, edge_bits, gather_bits."""
+        fields = {k: v for k, v in dataclasses.asdict(self.config).items() if k != "preset"}
         return {"label": self.label, "policy": self.widths.policy_name,
-                **dataclasses.asdict(self.config), "edge_bits": self.widths.edge_bits,
+                **fields, "edge_bits": self.widths.edge_bits,
                 "gather_bits": self.widths.gather_bits}
 
 
