@@ -19,8 +19,9 @@ autocast, AdamW, warmup then cosine to lr/10 at the last step; the simulated run
 path, compiled, with --cuda-graph.
 - speed: one run at a time (the GPU alone), a short schedule each, steady tokens/s after step 1;
   the plain model (16 bits: no communication) against simulated TP=3 at the default Echo, each
-  with and without the CUDA graph; the testbed at TP=4 likewise (random init, GPT-2 vocabulary:
-  the same token file serves, its ids < 50,257). Writes speed.json.
+  with and without the CUDA graph; the testbed at TP=4 likewise (random init, its 8k vocabulary:
+  the token file's ids mod 8,192). Tokens/s counted after step 1, with a graph after its first
+  replay. Writes speed.json (merged: `--models` runs some rows per call).
 - probe: 16-bit TP=3 runs of PROBE_STEPS at each LR in PROBE_LRS, side by side; the LR with the
   lowest final held-out loss is the study's. Writes probe.json.
 - study: comm configs 16, 4 (naive) and echo4 (the default) x seeds 0, 1 (the data order),
@@ -62,23 +63,38 @@ SPEED = {  # name -> (model args, simulate, comm, graph)
     "smollm2-tp3": (["--init-from", str(MODEL)], TP, "echo4", False),
     "smollm2-tp3-graph": (["--init-from", str(MODEL)], TP, "echo4", True),
     "testbed-plain": (["--model", "studies/testbed/model.json"], 1, "16", False),
+    "testbed-plain-graph": (["--model", "studies/testbed/model.json"], 1, "16", True),
+    "testbed-tp4": (["--model", "studies/testbed/model.json"], 4, "echo4", False),
     "testbed-tp4-graph": (["--model", "studies/testbed/model.json"], 4, "echo4", True),
 }
 
 
 def train_args(out: Path, *, model: list[str], simulate: int, comm: str, steps: int, lr: float,
-               seed: int = 0, graph: bool = True, extra: tuple = ()) -> list[str]:
+               seed: int = 0, graph: bool = True, extra: tuple = (),
+               data: tuple[Path, Path] | None = None) -> list[str]:
+    train, val = data or (DATA / "smol-train.bin", DATA / "smol-val.bin")
     args = [sys.executable, "-m", "echo_tp.cli", "train", *model,
-            "--train-data", str(DATA / "smol-train.bin"), "--val-data", str(DATA / "smol-val.bin"),
+            "--train-data", str(train), "--val-data", str(val),
             "--seq-len", str(SEQ), "--batch-size", str(ROWS), "--steps", str(steps),
             "--lr", str(lr), "--warmup", str(max(1, min(10, steps // 20))), "--bos",
-            *(["--compile"] if COMPILE else []), "--comm", comm, "--seed", str(seed), "--save-dtype", "bfloat16",
-            "--out-dir", str(out), "--no-progress", *extra]
+            *(["--compile"] if COMPILE else []), "--comm", comm, "--seed", str(seed),
+            "--save-dtype", "bfloat16", "--out-dir", str(out), "--no-progress", *extra]
     if simulate > 1:
         args += ["--simulate", str(simulate), "--sim-path", "batched"]
     if graph:
         args.append("--cuda-graph")
     return args
+
+
+def testbed_tokens(source: Path, out: Path) -> Path:
+    """The testbed's vocabulary is 8,192: its speed rows read the source's ids mod 8,192 (the
+    content does not matter to tokens/s)."""
+    import numpy as np
+
+    from echo_tp.models.tokenize import load_tokens, write_tokens
+    ids = load_tokens(source).numpy().astype(np.int64) % 8192
+    write_tokens(ids, out, vocab_size=8192, meta={"eos_id": 0, "source": source.name})
+    return out
 
 
 def launch(runs: dict[str, list[str]], logs: Path, parallel: bool) -> dict[str, int]:
@@ -116,20 +132,35 @@ def prep(gguf: str) -> None:
     print("prep done:", sorted(p.name for p in DATA.iterdir()), flush=True)
 
 
-def speed(out: Path, steps: int) -> dict:
-    runs = {name: train_args(out / name, model=model, simulate=sim, comm=comm, steps=steps,
-                             lr=1e-4, graph=graph, extra=("--eval-batches", "1"))
-            for name, (model, sim, comm, graph) in SPEED.items()}
+def speed(out: Path, steps: int, models: tuple[str, ...] = ("smollm2", "testbed"),
+          source: Path | None = None) -> dict:
+    """The SPEED rows of `models`, one run at a time (source: the token file read, default
+    smol-train.bin); merged into OUT/speed.json, each row's ratio to the faster of its model's
+    plain rows (with and without the graph)."""
+    source = source or DATA / "smol-train.bin"
+    names = [n for n in SPEED if n.split("-")[0] in models]
+    data = {"smollm2": (source, source)}
+    if "testbed" in models:
+        tb = testbed_tokens(source, out / "testbed-tokens.bin")
+        data["testbed"] = (tb, tb)
+    runs = {name: train_args(out / name, model=SPEED[name][0], simulate=SPEED[name][1],
+                             comm=SPEED[name][2], steps=steps, lr=1e-4, graph=SPEED[name][3],
+                             extra=("--eval-batches", "1"), data=data[name.split("-")[0]])
+            for name in names}
     launch(runs, out / "logs", parallel=False)
-    rows = {name: {k: result(out / name).get(k) for k in
-                   ("steady_tokens_per_s", "tokens_per_s", "steps", "cuda_graph")}
-            for name in SPEED}
+    path = out / "speed.json"
+    rows = json.loads(path.read_text()) if path.is_file() else {}
+    for name in names:
+        rows[name] = {k: result(out / name).get(k) for k in
+                      ("steady_tokens_per_s", "steady_from_step", "tokens_per_s", "steps",
+                       "cuda_graph", "peak_gpu_mib", "seconds")}
     for model in ("smollm2", "testbed"):
-        plain = rows.get(f"{model}-plain", {}).get("steady_tokens_per_s")
+        plain = max((r["steady_tokens_per_s"] or 0 for n, r in rows.items()
+                     if n.startswith(f"{model}-plain")), default=0)
         for name, row in rows.items():
             if name.startswith(model) and plain and row["steady_tokens_per_s"]:
                 row["ratio_to_plain"] = row["steady_tokens_per_s"] / plain
-    (out / "speed.json").write_text(json.dumps(rows, indent=2) + "\n")
+    path.write_text(json.dumps(rows, indent=2) + "\n")
     print(json.dumps(rows, indent=2), flush=True)
     return rows
 
@@ -148,13 +179,16 @@ def probe(out: Path) -> float:
     return best
 
 
-def study(out: Path, lr: float, steps: int, budget: float | None) -> None:
+def study(out: Path, lr: float, steps: int, budget: float | None,
+          configs: tuple[str, ...] | None = None, seeds: tuple[int, ...] | None = None) -> None:
+    """The runs of configs x seeds (default CONFIGS x SEEDS) side by side, then their
+    evaluations; their rows merged into OUT/study.json (a call may run some of the runs)."""
     extra = ["--eval-every", str(steps // 4)]
     if budget:
         extra += ["--time-budget", str(budget)]
     runs = {}
-    for comm in CONFIGS:
-        for seed in SEEDS:
+    for comm in configs or CONFIGS:
+        for seed in SEEDS if seeds is None else seeds:
             tel = ["--telemetry-every", str(TELEMETRY_EVERY)] if comm != "16" else []
             runs[f"{comm}-s{seed}"] = train_args(
                 out / f"{comm}-s{seed}", model=["--init-from", str(MODEL)], simulate=TP,
@@ -177,18 +211,20 @@ def study(out: Path, lr: float, steps: int, budget: float | None) -> None:
                 str(TP), "--batch-size", "8", "--max-windows", str(EVAL_WINDOWS), "--no-progress",
                 "--out", str(out / name / f"eval-{tag}.json")]
     launch(evals, out / "logs", parallel=True)
-    table = {}
+    merged = out / "study.json"
+    table = json.loads(merged.read_text()) if merged.is_file() else {}
     for name in runs:
         r = result(out / name)
         row = {k: r.get(k) for k in ("steps", "tokens", "val_loss", "tail_loss",
-                                     "steady_tokens_per_s", "stopped_by", "cuda_graph")}
+                                     "steady_tokens_per_s", "stopped_by", "cuda_graph",
+                                     "peak_gpu_mib", "seconds")}
         for tag in ("heldout", "wiki"):
             path = out / name / f"eval-{tag}.json"
             if path.is_file():
                 for res in json.loads(path.read_text())["results"]:
                     row[f"{tag}_{res['label']}"] = {"nll": res["nll"], "ppl": res["ppl"]}
         table[name] = row
-    (out / "study.json").write_text(json.dumps(table, indent=2) + "\n")
+    merged.write_text(json.dumps(table, indent=2) + "\n")
     print(json.dumps(table, indent=2), flush=True)
 
 
@@ -203,20 +239,27 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=math.ceil(STUDY_TOKENS / (SEQ * ROWS)))
     p.add_argument("--speed-steps", type=int, default=40)
     p.add_argument("--budget", type=float, default=None)
+    p.add_argument("--models", nargs="+", default=["smollm2", "testbed"],
+                   choices=("smollm2", "testbed"), help="speed: the rows of these models")
+    p.add_argument("--speed-data", type=Path, default=None,
+                   help="speed: the token file read (default .work/data/smol-train.bin)")
+    p.add_argument("--configs", nargs="+", default=None, help="study: a subset of CONFIGS")
+    p.add_argument("--seeds", nargs="+", type=int, default=None, help="study: a subset of SEEDS")
     a = p.parse_args(argv)
     out = Path(a.out)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     if a.stage == "prep":
         prep(a.gguf)
     elif a.stage == "speed":
-        speed(out, a.speed_steps)
+        speed(out, a.speed_steps, tuple(a.models), a.speed_data)
     elif a.stage == "probe":
         probe(out)
     elif a.stage == "study":
         lr = a.lr
         if lr is None:
             lr = json.loads((out / "probe.json").read_text())["lr"]
-        study(out, lr, a.steps, a.budget)
+        study(out, lr, a.steps, a.budget, a.configs and tuple(a.configs),
+              a.seeds and tuple(a.seeds))
     else:
         subprocess.run([sys.executable, "studies/train_schedule_report.py", *a.runs,
                         "--out-dir", a.out_dir or str(out / "report")], check=True)

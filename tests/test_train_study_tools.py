@@ -159,3 +159,21 @@ def test_real_llm_study_dry_run(tmp_path, monkeypatch):
     assert set(table["echo4-s0"]) >= {"heldout_16", "heldout_echo4", "wiki_16", "wiki_echo4"}
     assert table["16-s0"]["steps"] == 4 and "heldout_echo4" not in table["16-s0"]
     assert (out / "echo4-s0" / "telemetry.csv").is_file()
+    # a second call adds its runs' rows to study.json
+    study.study(out, lr, steps=2, budget=None, configs=("4",), seeds=(1,))
+    table = json.loads((out / "study.json").read_text())
+    assert sorted(table) == ["16-s0", "4-s1", "echo4-s0"] and table["4-s1"]["steps"] == 2
+    # speed rows, some per call, merged; the testbed-like rows read the ids mod 8,192
+    tiny = ["--model", "tiny-qwen3", "--model-field", "vocab_size=8192"]
+    monkeypatch.setattr(study, "SPEED", {
+        "smollm2-plain": (["--init-from", str(tmp_path / "hf")], 1, "16", False),
+        "smollm2-tp3-graph": (["--init-from", str(tmp_path / "hf")], 2, "echo4", True),
+        "testbed-plain": (tiny, 1, "16", False)})
+    speed = out / "speed"
+    study.speed(speed, 4, models=("testbed",), source=tmp_path / "smol-train.bin")
+    rows = study.speed(speed, 4, models=("smollm2",), source=tmp_path / "smol-train.bin")
+    assert sorted(rows) == ["smollm2-plain", "smollm2-tp3-graph", "testbed-plain"]
+    assert rows["testbed-plain"]["ratio_to_plain"] == 1.0
+    assert rows["smollm2-tp3-graph"]["ratio_to_plain"] > 0
+    assert "CUDA device" in rows["smollm2-tp3-graph"]["cuda_graph"]   # eager on the CPU
+    assert all(r["steps"] == 4 and r["steady_from_step"] == 1 for r in rows.values())

@@ -62,10 +62,19 @@ def parse_knobs(pairs: list[str], jobs: list[Job]) -> dict[str, str]:
 # ----- this machine: what to hand to the device tool -----
 
 def carry_of(jobs: list[Job]) -> list[str]:
-    """The git-ignored paths the jobs read, each once, in order."""
-    out: list[str] = []
-    for j in jobs:
-        out += [c.path for c in j.carry if c.path not in out]
+    """The git-ignored paths the jobs read, each once, in order: a Carry's files one by one
+    (only they travel), or its folder where that would name more than the device tool's 8."""
+    def collect(by_file: bool) -> list[str]:
+        out: list[str] = []
+        for j in jobs:
+            for c in j.carry:
+                paths = [f"{c.path}/{f}" for f in c.files] if by_file and c.files else [c.path]
+                out += [p for p in paths if p not in out]
+        return out
+
+    out = collect(by_file=True)
+    if len(out) > 8:
+        out = collect(by_file=False)
     if len(out) > 8:
         raise ValueError(f"{len(out)} carried paths; the device tool takes 8: name a folder "
                          f"above them ({out})")

@@ -64,6 +64,16 @@ eval_row() {
   echo "== $name ($(( $(date +%s) - t0 )) s)"; tail -n +2 "$OUT/$name.txt" | cut -c1-140
 }
 testbed_checkpoint() { ls -d .work/testbed/checkpoints/step-* | sort -t- -k2 -n | tail -1; }
+gguf_model() {  # NAME SHA256: the pieces $M/NAME.part* joined, checked, converted to $M/NAME-hf
+  M=${M:-/tmp/m}; mkdir -p "$M"; cp .work/parts/* "$M/" 2>/dev/null || true
+  python3 -c "import gguf" 2>/dev/null || { python3 -m pip install -q --no-index --no-deps \
+    --no-compile --target /tmp/site .whl/gguf-*.whl && export PYTHONPATH=/tmp/site:$PWD/src; }
+  [ -d "$M/$1-hf" ] && return 0
+  cat "$M/$1".part* > "$M/$1.gguf" && echo "$2  $M/$1.gguf" | sha256sum -c - || return 1
+  python3 -c "from echo_tp.hf.gguf import gguf_to_hf; gguf_to_hf('$M/$1.gguf', '$M/$1-hf')"
+}
+SMOL_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+GEMMA_SHA=a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
 """
 
 GUT108 = Carry(".work/data", ("gut108.bin", "gut108.json", "gut108.val.bin", "gut108.val.json"),
@@ -85,6 +95,10 @@ MEGATRON_WHEEL = Carry(".whl", (), "pip download megatron-core==0.16.1 --no-deps
                        "manylinux_2_28_x86_64 -d .whl")
 PARTS = Carry(".work/parts", (), "pieces of the GGUF files (studies/fetch_models.py "
               "--split-mib 36), a few per call: prepare --part smol:FILE.partNN")
+SMOL_DATA = Carry(".work/data", ("smol-train.bin.xz", "smol-train.json", "smol-val.bin",
+                                  "smol-val.json", "wiki.valid.raw"),
+                  "the Gutenberg corpus in SmolLM2 tokens, 7 books held out (studies/"
+                  "train_real_llm.py's docstring; xz -k smol-train.bin), WikiText-2 validation")
 TESTBED = ".work/testbed/checkpoints"
 
 _JOBS = [
@@ -721,20 +735,8 @@ ls -la "$M"
         keep=("real_llm.log",),
         script=r"""
 set -e
-SMOL_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
-GEMMA_SHA=a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
-mkdir -p "$M"; cp .work/parts/* "$M/" 2>/dev/null || true
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/gguf-*.whl
-export PYTHONPATH=/tmp/site:$PWD/src
-convert() {
-  if [ ! -d "$M/$1-hf" ]; then
-    cat "$M/$1".part* > "$M/$1.gguf"
-    echo "$2  $M/$1.gguf" | sha256sum -c -
-    python3 -c "from echo_tp.hf.gguf import gguf_to_hf; gguf_to_hf('$M/$1.gguf', '$M/$1-hf')"
-  fi
-}
 if [[ " $REAL_MODELS " == *" smol "* ]]; then
-  convert smol "$SMOL_SHA"
+  gguf_model smol "$SMOL_SHA"
   for text in wiki.valid.raw gutenberg-eval.txt; do
     python3 -m echo_tp.cli eval --model "$M/smol-hf" --data ".work/data/$text" --simulate 3 \
       --context 512 --batch-size 16 --dtype bfloat16 --device cuda --max-windows "$REAL_WINDOWS" \
@@ -743,7 +745,7 @@ if [[ " $REAL_MODELS " == *" smol "* ]]; then
   done
 fi
 if [[ " $REAL_MODELS " == *" gemma "* ]]; then
-  convert gemma "$GEMMA_SHA"
+  gguf_model gemma "$GEMMA_SHA"
   for P in 2 4; do
     python3 -m echo_tp.cli eval --model "$M/gemma-hf" --data .work/data/wiki.valid.raw \
       --simulate "$P" --context 512 --bos-id 2 --batch-size 16 --dtype bfloat16 --device cuda \
@@ -751,6 +753,53 @@ if [[ " $REAL_MODELS " == *" gemma "* ]]; then
       --comms ${GEMMA_COMMS:-$REAL_COMMS} --out "$OUT/gemma-p$P.json" 2>&1 \
       | grep -v Warn | tee -a "$OUT/real_llm.log"
   done
+fi
+"""),
+    Job(name="train-llm", kind="nvidia-h200", seconds=240,
+        about="continued pretraining of SmolLM2-135M at simulated TP=3 (studies/"
+              "train_real_llm.py), STAGES of: test (the CUDA-graph step == eager, GPU), speed "
+              "(tokens/s against the plain model, with and without the graph; MODELS), probe "
+              "(the LR), study (CONFIGS x SEEDS side by side, then their evaluations); runs in "
+              "$W, which stays on the machine for the next call",
+        knobs={"STAGES": "test speed probe", "MODELS": "testbed smollm2", "SPEED_STEPS": "40",
+               "SPEED_DATA": ".work/data/smol-train.bin", "CONFIGS": "16 4 echo4",
+               "SEEDS": "0 1", "LR": "", "STUDY_BUDGET": "", "W": "/tmp/train-llm",
+               "M": "/tmp/m"},
+        carry=(SMOL_DATA, GGUF_WHEEL, PARTS), keep=("speed.json", "study.json"),
+        script=r"""
+record_env "$OUT"; mkdir -p "$W"; has() { [[ " $STAGES " == *" $1 "* ]]; }
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+if has test; then
+  T0=$(date +%s)
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_train_graph.py \
+    > "$OUT/pytest_train_graph.txt" 2>&1
+  echo "test_train_graph rc=$? in $(( $(date +%s) - T0 )) s"; tail -3 "$OUT/pytest_train_graph.txt"
+fi
+if [[ " $MODELS " == *" smollm2 "* ]] || has probe || has study; then
+  gguf_model smol "$SMOL_SHA" || { echo "no SmolLM2 model"; exit 1; }
+  python3 studies/train_real_llm.py prep --gguf "$M/smol.gguf" || exit 1
+fi
+LLM="python3 studies/train_real_llm.py"
+if has speed; then
+  $LLM speed --out "$W/speed" --models $MODELS --speed-steps "$SPEED_STEPS" \
+    --speed-data "$SPEED_DATA" > "$OUT/speed.log" 2>&1; echo "speed rc=$?"
+  cp "$W/speed/speed.json" "$OUT/" 2>/dev/null; cp -r "$W/speed/logs" "$OUT/speed-logs"
+  grep -h "tokens/s" "$OUT"/speed-logs/*.log | cut -c1-240
+fi
+if has probe; then
+  $LLM probe --out "$W" > "$OUT/probe.log" 2>&1; echo "probe rc=$?"; tail -1 "$OUT/probe.log"
+  cp "$W/probe.json" "$OUT/" 2>/dev/null; cp -r "$W/logs" "$OUT/probe-logs"
+fi
+if has study; then
+  $LLM study --out "$W" ${LR:+--lr "$LR"} --configs $CONFIGS --seeds $SEEDS \
+    ${STUDY_BUDGET:+--budget "$STUDY_BUDGET"} > "$OUT/study.log" 2>&1; echo "study rc=$?"
+  grep -E "rc |training:" "$OUT/study.log"; cp "$W/study.json" "$OUT/" 2>/dev/null
+  for r in "$W"/*-s[0-9]*; do
+    mkdir -p "$OUT/runs/${r##*/}"
+    cp "$r"/{log.csv,val_rows.json,train_config.json,telemetry.csv,result.json,eval-*.json} \
+      "$OUT/runs/${r##*/}/" 2>/dev/null
+  done
+  cp -r "$W/logs" "$OUT/study-logs"
 fi
 """),
 ]

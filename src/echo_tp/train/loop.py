@@ -446,6 +446,11 @@ def _rank_train(rank: int | None, world_size: int, o: TrainOptions) -> dict:
         state["loss"] = values[-1][0]
         pending.clear()
 
+    # the steady clock starts after step 1 (compile), with a graph after its first replay
+    steady_step = max(1, min(1 + (graphed.WARM_STEPS if stepper.graph is not None else 0),
+                             o.steps - 1))
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
     t_step1 = t_last = t0
     val_loss, done, stopped = None, 0, "steps"
@@ -470,10 +475,11 @@ def _rank_train(rank: int | None, world_size: int, o: TrainOptions) -> dict:
         last = done == o.steps or stopped != "steps"
         do_eval = val is not None and ((o.eval_every and done % o.eval_every == 0) or last)
         do_save = (o.save_every and done % o.save_every == 0) or last
-        if last or do_eval or do_save or done % o.sync_every == 0 or done == 1:
+        if (last or do_eval or do_save or done % o.sync_every == 0 or done == 1
+                or done == steady_step):
             read_pending()                     # a device sync: the clock below sees the work
-            if done == 1:
-                t_step1 = time.perf_counter()  # compile and warm-up are in step 1
+            if done == steady_step:
+                t_step1 = time.perf_counter()  # compile, warm-up and capture are before it
             if last:
                 t_last = time.perf_counter()
         if do_eval:
@@ -511,8 +517,11 @@ def _rank_train(rank: int | None, world_size: int, o: TrainOptions) -> dict:
             "checkpoint": str(out / "checkpoints" / f"step-{done}"), "seconds": seconds,
             "cuda_graph": stepper.status,
             "tokens_per_s": done * tokens_per_step / seconds,
-            "steady_tokens_per_s": (done - 1) * tokens_per_step / (t_last - t_step1)
-            if done > 1 and t_last > t_step1 else None}
+            "steady_from_step": steady_step,
+            "steady_tokens_per_s": (done - steady_step) * tokens_per_step / (t_last - t_step1)
+            if done > steady_step and t_last > t_step1 else None,
+            "peak_gpu_mib": (torch.cuda.max_memory_allocated(device) / 2**20
+                             if device.type == "cuda" else None)}
     (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
 
@@ -548,7 +557,7 @@ def main(*, simulate: int | None = None, world_size: int | None = None, **option
               f"(tail mean {r['tail_loss']:.4f})"
               + (f" | val {r['val_loss']:.4f}" if r["val_loss"] is not None else "")
               + f" | {r['seconds']:.1f}s, {r['tokens_per_s']:,.0f} tokens/s"
-              + (f" ({r['steady_tokens_per_s']:,.0f} after step 1)"
+              + (f" ({r['steady_tokens_per_s']:,.0f} after step {r['steady_from_step']})"
                  if r.get("steady_tokens_per_s") else ""))
         print(f"log {r['log']}, plot {r['plot']}, checkpoint {r['checkpoint']}")
     return run.result
