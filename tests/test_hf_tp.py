@@ -348,28 +348,25 @@ def test_gloo_matches_unsharded_at_16_bits(gloo2):
 
 
 def test_gloo_is_bit_identical_to_simulated_at_4_bits(gloo2):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the spawned ranks (harness): same BLAS blocking
-    try:
-        for name, policy in REAL_QUANT.items():
-            sim = build(name)
-            parallelize_hf(sim, SimulatedCommunicator(2, EchoConfig.from_name("echo4")),
-                           policy=policy)
-            logits, loss = step(sim)
-            generated = greedy(sim)
-            exact = gloo2[0][(name, 16)]["logits"]
-            assert (logits - exact).abs().max() > 1e-4, name  # the sites really quantize
-            for r in range(2):
-                got = gloo2[r][(name, 4)]
-                assert torch.equal(logits, got["logits"]), (name, r)
-                assert torch.equal(loss, got["loss"]), (name, r)
-                assert torch.equal(generated, got["generated"]), (name, r)
-                grads = rank_grads(sim, r)
-                assert set(grads) == set(got["grads"]), name
-                for pname, g in grads.items():
-                    assert torch.equal(g, got["grads"][pname]), (name, r, pname)
-    finally:
-        torch.set_num_threads(threads)
+    """This process at its own thread count: the simulated model computes at the ranks'
+    (echo_tp.threads)."""
+    for name, policy in REAL_QUANT.items():
+        sim = build(name)
+        parallelize_hf(sim, SimulatedCommunicator(2, EchoConfig.from_name("echo4")),
+                       policy=policy)
+        logits, loss = step(sim)
+        generated = greedy(sim)
+        exact = gloo2[0][(name, 16)]["logits"]
+        assert (logits - exact).abs().max() > 1e-4, name  # the sites really quantize
+        for r in range(2):
+            got = gloo2[r][(name, 4)]
+            assert torch.equal(logits, got["logits"]), (name, r)
+            assert torch.equal(loss, got["loss"]), (name, r)
+            assert torch.equal(generated, got["generated"]), (name, r)
+            grads = rank_grads(sim, r)
+            assert set(grads) == set(got["grads"]), name
+            for pname, g in grads.items():
+                assert torch.equal(g, got["grads"][pname]), (name, r, pname)
 
 
 @pytest.mark.parametrize("name", ["llama3", "gemma3", "qwen3_moe"])
@@ -522,29 +519,24 @@ def test_sequence_parallel_simulated_matches_unsharded_at_16_bits(name):
 
 def test_sequence_parallel_gloo(gloo2):
     """16 bits vs unsharded; Echo 4 bits bit for bit against the simulated run."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the spawned ranks (harness): same BLAS blocking
-    try:
-        for name, policy in SP_FAMILIES.items():
+    for name, policy in SP_FAMILIES.items():
+        for r in range(2):
+            got = gloo2[r][("sp", name, "16")]
+            check_against_reference(name, got["logits"], got["loss"], got["grads"],
+                                    got["shards"], r, SP_T)
+        for cfg in ("16", "echo4"):     # 16 too: at P = 2 any sum order is one rounding
+            sim = build(name)
+            parallelize_hf(sim, SimulatedCommunicator(2, EchoConfig.from_name(cfg)),
+                           policy=policy if cfg == "echo4" else None,
+                           sequence_parallel=True)
+            logits, loss = step(sim, SP_T)
+            if cfg == "echo4":
+                assert (logits - gloo2[0][("sp", name, "16")]["logits"]).abs().max() > 1e-4
             for r in range(2):
-                got = gloo2[r][("sp", name, "16")]
-                check_against_reference(name, got["logits"], got["loss"], got["grads"],
-                                        got["shards"], r, SP_T)
-            for cfg in ("16", "echo4"):     # 16 too: at P = 2 any sum order is one rounding
-                sim = build(name)
-                parallelize_hf(sim, SimulatedCommunicator(2, EchoConfig.from_name(cfg)),
-                               policy=policy if cfg == "echo4" else None,
-                               sequence_parallel=True)
-                logits, loss = step(sim, SP_T)
-                if cfg == "echo4":
-                    assert (logits - gloo2[0][("sp", name, "16")]["logits"]).abs().max() > 1e-4
-                for r in range(2):
-                    got = gloo2[r][("sp", name, cfg)]
-                    assert torch.equal(logits, got["logits"]) and torch.equal(loss, got["loss"]),\
-                        (name, cfg, r)
-                    grads = rank_grads(sim, r)
-                    assert set(grads) == set(got["grads"]), name
-                    for pname, g in grads.items():
-                        assert torch.equal(g, got["grads"][pname]), (name, cfg, r, pname)
-    finally:
-        torch.set_num_threads(threads)
+                got = gloo2[r][("sp", name, cfg)]
+                assert torch.equal(logits, got["logits"]) and torch.equal(loss, got["loss"]),\
+                    (name, cfg, r)
+                grads = rank_grads(sim, r)
+                assert set(grads) == set(got["grads"]), name
+                for pname, g in grads.items():
+                    assert torch.equal(g, got["grads"][pname]), (name, cfg, r, pname)

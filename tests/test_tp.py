@@ -147,12 +147,7 @@ def test_tp_matches_single_device_at_16_bits(world):
 
 def test_simulated_is_bit_identical_to_gloo(world):
     P, res = world
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the spawned ranks (harness); keeps BLAS blocking equal
-    try:
-        _compare_simulated(P, res)
-    finally:
-        torch.set_num_threads(threads)
+    _compare_simulated(P, res)
 
 
 def _compare_simulated(P, res):
@@ -364,28 +359,23 @@ def test_sequence_parallel_matches_single_device_at_16_bits(world):
 
 def test_sequence_parallel_simulated_is_bit_identical_to_gloo(world):
     P, res = world
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the spawned ranks (harness); keeps BLAS blocking equal
-    try:
-        for case, sizes in SP_CASES.items():
-            if P not in sizes:
-                continue
-            # at P = 2 also 16 bits (a sum of two is one rounding in any order): no ulp of
-            # difference hides behind the quantizer's grid
-            for cfg in QUANT_CONFIGS + ([dict(bits=16)] if P == 2 else []):
-                sim = build(case)
-                parallelize(sim, SimulatedCommunicator(P, two_timescale(**cfg)),
-                            sequence_parallel=True)
-                logits = step(sim, sp_batch)
-                for r in range(P):
-                    got = res[r][("sp", case, str(cfg))]
-                    assert torch.equal(logits, got["logits"]), (case, cfg, r)
-                    params = rank_parameters(sim, r)
-                    assert set(params) == set(got["grads"]), (case, cfg)
-                    for name, p in params.items():
-                        assert torch.equal(p.grad, got["grads"][name]), (case, cfg, r, name)
-    finally:
-        torch.set_num_threads(threads)
+    for case, sizes in SP_CASES.items():
+        if P not in sizes:
+            continue
+        # at P = 2 also 16 bits (a sum of two is one rounding in any order): no ulp of
+        # difference hides behind the quantizer's grid
+        for cfg in QUANT_CONFIGS + ([dict(bits=16)] if P == 2 else []):
+            sim = build(case)
+            parallelize(sim, SimulatedCommunicator(P, two_timescale(**cfg)),
+                        sequence_parallel=True)
+            logits = step(sim, sp_batch)
+            for r in range(P):
+                got = res[r][("sp", case, str(cfg))]
+                assert torch.equal(logits, got["logits"]), (case, cfg, r)
+                params = rank_parameters(sim, r)
+                assert set(params) == set(got["grads"]), (case, cfg)
+                for name, p in params.items():
+                    assert torch.equal(p.grad, got["grads"][name]), (case, cfg, r, name)
 
 
 def test_sequence_parallel_sites_and_errors():

@@ -9,8 +9,8 @@ What is compared with what:
   every collective call of the step (direction, bits, the [P, ...] input it was given and the
   output it returned), bit for bit. Cases: Llama (with and without attention bias), Qwen3 (q/k
   norm) at P = 2, 4, 8 (kv heads replicated over 2 ranks at 8) and 2 kv heads over 4 ranks. The
-  batched path must really run: the shards' own forwards are never called. One BLAS thread, as
-  in tests/test_tp.py (the blocking of a matmul may depend on the thread count).
+  batched path must really run: the shards' own forwards are never called. Both compute at a
+  rank's intra-op thread count (echo_tp.threads), whatever this process's.
 - batched at 16 bits vs the single-device model: logits and every rank's slice of every
   gradient within tests/test_tp.py's tolerances (TP sums the same products in another grouping).
 - `echo-tp train --simulate 2 --sim-path batched` vs `--sim-path shards`, bf16 autocast: the same
@@ -79,17 +79,9 @@ def recorded(comm) -> list:
     return calls
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("preset,over,P", CASES,
                          ids=[f"{p}{'-' + '-'.join(o) if o else ''}-P{P}" for p, o, P in CASES])
-def test_batched_is_the_shard_loop_bit_for_bit(preset, over, P, one_thread, monkeypatch):
+def test_batched_is_the_shard_loop_bit_for_bit(preset, over, P, monkeypatch):
     shard_calls = []
     for cls in (Attention, MLP):
         real = cls.forward

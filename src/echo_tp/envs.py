@@ -7,6 +7,7 @@
     ECHO_COLLECTIVE_TIMEOUT_S seconds, default 300         (collectives of echo-tp's groups)
     ECHO_DEBUG_CHECKS         0 | 1                        (check every call's signature)
     ECHO_CLI_TRACEBACK        0 | 1                        (the CLI prints tracebacks)
+    ECHO_RANK_THREADS         threads, default 1           (spawned ranks, simulated models)
     ECHO_VLLM                 a comm spec, unset = off     (Echo inside vLLM: echo_tp.vllm)
 
 All are for users (the table in docs/usage/collectives.md); test-only switches are fixtures or
@@ -80,6 +81,13 @@ def collective_timeout_s() -> float:
     return _float("ECHO_COLLECTIVE_TIMEOUT_S", 300.0)
 
 
+def rank_threads() -> int:
+    """ECHO_RANK_THREADS: the intra-op threads of each rank echo_tp.launch.run_ranks spawns, and
+    of a simulated model's forward and backward on the CPU (threads.py: simulated TP equals the
+    real ranks bit for bit at equal counts)."""
+    return _number("ECHO_RANK_THREADS", 1, int, lambda v: v >= 1, "a whole number >= 1")
+
+
 def backend() -> str:
     """ECHO_BACKEND: 'auto' (default), 'reference' or 'p2p' for communicators built with 'auto'."""
     return _choice("ECHO_BACKEND", "auto", ("auto", "reference", "p2p"))
@@ -97,8 +105,6 @@ def oneshot_max_bytes() -> int | None:
     16-bit one-shot kernel on intra-node GPUs (0: never; unset: the measured table)."""
     return _number("ECHO_ONESHOT_MAX_BYTES", None, int, lambda v: v >= 0,
                    "a whole number of bytes >= 0")
-
-
 
 
 def vllm_comm() -> str | None:

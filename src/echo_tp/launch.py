@@ -10,7 +10,8 @@ at once and the others are stopped (a rank that died, with its exit code or sign
 before the peers that then failed waiting on it); ranks still running after `timeout` seconds
 are stopped and named; an interrupt of the parent (Ctrl-C, SIGINT) stops every rank before it
 propagates. Inside the ranks every collective waits at most ECHO_COLLECTIVE_TIMEOUT_S on a peer
-(group_timeout).
+(group_timeout); gloo ranks compute at ECHO_RANK_THREADS intra-op threads (default 1, as a
+simulated model does: threads.py).
 """
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ def _worker(rank, world_size, port, outdir, fn, args, backend="gloo"):
         dist.init_process_group("nccl", rank=rank, world_size=world_size,
                                 device_id=torch.device("cuda", rank), timeout=group_timeout())
     else:
-        torch.set_num_threads(1)
+        torch.set_num_threads(envs.rank_threads())   # a simulated model's count (threads.py)
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=group_timeout())
     try:

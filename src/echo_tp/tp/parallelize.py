@@ -14,8 +14,10 @@ rank); every shard runs the very modules and F.linear shapes of its real rank, o
 other, so each partial is bit-identical to that rank's, and the [P, ...] stack of partials goes
 through SimulatedCommunicator.all_reduce. Logits and gradients then match the P-process run bit
 for bit at bits 4 and 8 (at 16 bits the simulated sum is fp32 in rank order; gloo/NCCL may sum in
-another order). Shard i's parameters are named `<block>.shards.<i>.<name>`; tp.rank_parameters
-maps them back to the real names. sim_path='batched' runs the project's attention and MLP
+another order), on the CPU at equal intra-op thread counts: a simulated model's forward and
+backward run at ECHO_RANK_THREADS (echo_tp.threads), the count run_ranks gives each rank.
+Shard i's parameters are named `<block>.shards.<i>.<name>`; tp.rank_parameters maps them back
+to the real names. sim_path='batched' runs the project's attention and MLP
 blocks with the P ranks as a batch dim of each op instead (tp/batched.py: the same parameters,
 sites and communicator calls; bit for bit on the CPU, within float tolerance on GPUs).
 
@@ -42,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from echo_tp.models.transformer import LayerKVCache, Transformer
+from echo_tp.threads import at_rank_threads
 
 from . import batched, sequence
 from .agree import check_same_widths
@@ -256,6 +259,9 @@ def parallelize(model: Transformer, comm, rank: int | None = None, *, policy=Non
     model.echo_tp = tp
     pass_root.register_forward_pre_hook(_forward_pass_hook(tp))
     pass_root.register_forward_hook(_backward_pass_hook(tp))
+    if simulated:   # at a rank's intra-op thread count, as the real ranks compute
+        for root in {id(m): m for m in (model, pass_root)}.values():
+            at_rank_threads(root)
     return model
 
 

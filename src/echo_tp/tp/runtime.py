@@ -28,8 +28,8 @@ class Group:
     under torchrun neither)."""
 
     simulate: int | None = field(default=None, metadata=cli(metavar="P", group="tp"))
-    """P virtual ranks in this process (bit-identical to real ranks at 4/8 bits; P = 1: the
-    plain model)."""
+    """P virtual ranks in this process (bit-identical to --world-size P at 4/8 bits: both
+    compute at ECHO_RANK_THREADS intra-op threads, default 1; P = 1: the plain model)."""
     world_size: int | None = field(default=None, metadata=cli(metavar="P", group="tp"))
     """Spawn P gloo processes on CPU."""
 
