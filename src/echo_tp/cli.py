@@ -15,7 +15,7 @@ from .eval import runner as eval_runner
 from .eval.config import EvalOptions
 from .launch import RankError
 from .models import tokenize
-from .options import add_options, from_args
+from .options import add_bool, add_options, from_args
 from .tp.runtime import Group
 from .train import loop
 from .train.loop import TrainOptions
@@ -28,13 +28,13 @@ def _demo(sub):
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--out", default="echo_demo.png", help="PNG plot of ||S_t|| against t")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--no-model", action="store_true",
-                   help="skip the perplexity table of the shipped trained model")
+    add_bool(p, "--progress", dest="progress", default=True, help="show a progress bar")
+    add_bool(p, "--model", dest="with_model", default=True,
+             help="add the perplexity table of the shipped trained model")
 
     def run(a):
         demo.main(world_size=a.world_size, sites=a.sites, tokens=a.tokens, hidden=a.hidden,
-                  out=a.out, progress=not a.no_progress, with_model=not a.no_model)
+                  out=a.out, progress=a.progress, with_model=a.with_model)
     p.set_defaults(func=run)
 
 

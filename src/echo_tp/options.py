@@ -11,9 +11,10 @@
 
 Each field becomes `--field-name` (metadata `cli(flag=...)` renames it), its help the field's
 docstring, read from the class's source. The type decides the argument: int / float / str
-(with `| None`: default None), bool False -> `--flag` (store_true), bool True -> `--no-flag`,
-`bool | None` -> `--flag / --no-flag`, tuple[str, ...] -> one or more values (an empty default
-accumulates over repeated flags). A field without a default is required. `cli(...)` adds
+(with `| None`: default None), bool -> both forms `--flag / --no-flag` (add_bool: the help says
+what `--flag` does, and the default, on or off; `bool | None`: no default, the docstring says
+what None means), tuple[str, ...] -> one or more values (an empty default accumulates over
+repeated flags). A field without a default is required. `cli(...)` adds
 choices, metavar, an argument group, and `implied_by`: a bool that another option's being set
 turns on (`--bos-id N` implies `--bos`). A new option is one new field.
 """
@@ -57,14 +58,10 @@ def add_options(parser, cls, groups: dict | None = None) -> None:
             f.default_factory is not dataclasses.MISSING
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING \
             else f.default
-        if base is bool and optional:
-            kw.update(action=argparse.BooleanOptionalAction, default=default)
-        elif base is bool and default is True:
-            flag = "--no-" + flag[2:]
-            kw.update(action="store_false", default=True)
-        elif base is bool:
-            kw.update(action="store_true", default=False)
-        elif typing.get_origin(base) is tuple:
+        if base is bool:
+            add_bool(target, flag, dest=f.name, default=default, help=kw["help"])
+            continue
+        if typing.get_origin(base) is tuple:
             item = typing.get_args(base)[0]
             kw.update(nargs="+", type=item, default=list(default) if has_default else None)
             if has_default and not default:
@@ -76,6 +73,16 @@ def add_options(parser, cls, groups: dict | None = None) -> None:
         if not has_default:
             kw["required"] = True
         target.add_argument(flag, **kw)
+
+
+def add_bool(parser, flag: str, *, dest: str, default: bool | None, help: str | None) -> None:
+    """A boolean option in both forms, `--flag` (True) and `--no-flag` (False): help says what
+    `--flag` does; " (default: on)" or " (default: off)" is added unless default is None."""
+    action = parser.add_argument(flag, dest=dest, default=default,
+                                 action=argparse.BooleanOptionalAction)
+    if help is not None and default is not None:
+        help = f"{help} (default: {'on' if default else 'off'})"
+    action.help = help   # argparse's own default suffix differs between Python versions
 
 
 def from_args(cls, args: argparse.Namespace) -> dict:

@@ -63,7 +63,7 @@ class EvalOptions:
     base_model_tp_plan); 'auto': echo where it reproduces the config, else transformers (always
     for a .gguf file)."""
     progress: bool = True
-    """Show a progress bar (--no-progress: none)."""
+    """Show a progress bar."""
     last_word: bool = False
     """Also score last-word accuracy (LAMBADA-style: the greedy prediction of each sentence's
     final word; eval/lastword.py) on the same windows."""

@@ -177,7 +177,7 @@ class TrainOptions:
     (out_dir/telemetry.csv; simulated: the exact ||y - sum x|| per site; 0: never; module
     doc)."""
     progress: bool = True
-    """Show a progress bar (--no-progress: none)."""
+    """Show a progress bar."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_fields", tuple(self.model_fields))
