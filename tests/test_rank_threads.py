@@ -10,7 +10,8 @@ Compared:
     parameter gradient of every rank, torch.equal, one sequence of each of 5, 6, 7, 9, 10 and
     11 tokens (the row counts where MKL's sgemm rounds differently at 1 and 2 threads);
   * inside a simulated model's forward and backward torch.get_num_threads() is the rank's
-    count (1, or ECHO_RANK_THREADS), and after them the process's own again, also after a
+    count (1, or ECHO_RANK_THREADS; P = 1, the plain model: the process's), and after them the
+    process's own again, also after a
     forward that raises, under no_grad and, from the next forward on, after a backward that
     raises; a bad ECHO_RANK_THREADS is a ValueError naming it.
 Where to look first: a difference in one family only -> tp/parallelize.py SimTPBlock or
@@ -121,6 +122,11 @@ def test_simulated_model_computes_at_the_rank_count(rank_threads, two_threads, m
         model(tokens(b=1, t=5))
         model.model(tokens(b=1, t=5))     # the base model alone gets it too
     assert seen[2:] == [("forward", want)] * 2 and torch.get_num_threads() == 2
+    one = build("qwen3_moe")        # a group of one is the plain model: the process's count
+    parallelize_hf(one, SimulatedCommunicator(1, EchoConfig.from_name("echo4")))
+    seen = _spy(one)
+    _run(one, 6)
+    assert seen == [("forward", 2), ("backward", 2)]
 
 
 def test_the_process_count_comes_back_after_errors(two_threads):

@@ -6,10 +6,11 @@
 Simulated TP gives the real ranks' results bit for bit only when both compute at the same
 intra-op thread count: MKL's sgemm splits x @ W^T of some row counts (5-7 and 9-11 rows: the
 tokens an MoE expert gets, short sequences) over 1 and 2 threads differently and rounds
-differently. tp.parallelize puts every simulated model under `at_rank_threads`, so a process
-at its default count (one thread per core) simulates ranks that run one thread each; outside
-the model's forward and backward the process keeps its own count. Models on CUDA are left
-alone (their matmuls do not depend on it). The price: a CPU simulation computes on one core by
+differently. tp.parallelize puts every simulated model of P > 1 ranks under `at_rank_threads`
+(P = 1 stays the plain model, at the process's count), so a process at its default count (one
+thread per core) simulates ranks that run one thread each; outside the model's forward and
+backward the process keeps its own count. Models on CUDA are left alone (their matmuls do not
+depend on it). The price: a CPU simulation computes on one core by
 default (ECHO_RANK_THREADS=N: on N, and each spawned rank too).
 
 How: a forward pre-hook sets the rank's count and a forward hook (also called when the

@@ -259,7 +259,7 @@ def parallelize(model: Transformer, comm, rank: int | None = None, *, policy=Non
     model.echo_tp = tp
     pass_root.register_forward_pre_hook(_forward_pass_hook(tp))
     pass_root.register_forward_hook(_backward_pass_hook(tp))
-    if simulated:   # at a rank's intra-op thread count, as the real ranks compute
+    if simulated and P > 1:   # at a rank's thread count (P = 1: the plain model, as it was)
         for root in {id(m): m for m in (model, pass_root)}.values():
             at_rank_threads(root)
     return model
