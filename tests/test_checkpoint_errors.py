@@ -11,7 +11,9 @@ shape config.json implies and the field. For broken files (a shard truncated amo
 shard the index lists but the directory lacks, a corrupt index, a config.json that is not JSON,
 a file that is not safetensors): the file's name, from both loaders and from
 models.checkpoint.check_shards (what the tools run before they build anything). A checkpoint
-whose config matches loads (the control).
+whose config matches loads (the control). A Llama-3.1+ config ('llama3' RoPE scaling, which the
+project's Transformer does not implement): load_hf_checkpoint's ValueError names the exact
+echo_tp.hf.load_hf_tp call, and that call, run as written, loads it (from_pretrained's logits).
 Where to look first: models/checkpoint.py (check_shape, implied_field, shard_errors), then
 hf/load.py and models/hf.py (where they call it).
 """
@@ -172,3 +174,28 @@ def test_the_field_is_named_by_search_where_the_table_has_none():
     assert implied_field(config, "model.layers.0.self_attn.q_proj.weight", 0, 32) == \
         "num_attention_heads * head_dim = 4 * 8"
     assert implied_field(config, "x.weight", 0, 12345) == "fields"
+
+
+def test_a_llama3_rope_checkpoint_is_refused_with_the_call_that_loads_it(tmp_path):
+    """Llama-3.1+ ('llama3' RoPE scaling): load_hf_checkpoint refuses it, naming the exact
+    echo_tp.hf.load_hf_tp call; that call, run as written, loads transformers' own model, whose
+    logits are from_pretrained's bit for bit."""
+    import echo_tp
+    import echo_tp.hf
+    rope = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                high_freq_factor=4.0, original_max_position_embeddings=32)
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**TINY, rope_parameters=rope)).save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["rope_parameters"]["rope_type"] \
+        == "llama3"
+    with pytest.raises(ValueError) as err:
+        load_hf_checkpoint(tmp_path, dtype=torch.float32)
+    text = str(err.value)
+    call = (f"echo_tp.hf.load_hf_tp({str(tmp_path)!r}, echo_tp.SimulatedCommunicator(1, "
+            "echo_tp.EchoConfig(bits=16)), dtype=torch.float32)")
+    assert str(tmp_path) in text and "'llama3'" in text and f"`{call}`" in text, text
+    model = eval(call, {"echo_tp": echo_tp, "torch": torch})
+    want = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    x = torch.randint(0, TINY["vocab_size"], (1, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, want(x).logits)

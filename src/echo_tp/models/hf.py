@@ -62,7 +62,9 @@ def load_hf_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.bfloat16,
     """Load an HF Llama/Qwen3 checkpoint directory into a `Transformer` (eval mode).
 
     path holds config.json and model.safetensors, or shards listed in model.safetensors.index.json.
-    Every tensor is cast to dtype and placed on device.
+    Every tensor is cast to dtype and placed on device. A config the Transformer does not
+    reproduce (e.g. Llama-3.1+'s 'llama3' RoPE scaling, other families) is a ValueError that
+    names the echo_tp.hf.load_hf_tp call which loads it as transformers' own model.
     """
     path = Path(path)
     if not (path / CONFIG_FILE).is_file():
@@ -70,7 +72,10 @@ def load_hf_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.bfloat16,
     if not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating point dtype, got {dtype}")
     config = json.loads((path / CONFIG_FILE).read_text())
-    cfg = ModelConfig.from_hf_config(config)
+    try:
+        cfg = ModelConfig.from_hf_config(config)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}. {_load_hf_tp_call(path, dtype)}") from None
     key_map = hf_key_map(cfg)
     model = build_meta_model(cfg)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -89,6 +94,17 @@ def load_hf_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.bfloat16,
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()
     return model.eval(), cfg
+
+
+def _load_hf_tp_call(path: Path, dtype: torch.dtype) -> str:
+    """What to run instead on a config the project's Transformer does not reproduce: the exact
+    call that loads it as transformers' own model (echo_tp.hf, unsharded with one virtual
+    rank; families with a TP plan: docs/usage/models.md)."""
+    return ("transformers' own model of it loads through echo_tp.hf, whole: "
+            f"`echo_tp.hf.load_hf_tp({str(path)!r}, echo_tp.SimulatedCommunicator(1, "
+            f"echo_tp.EchoConfig(bits=16)), dtype={dtype})` (after `import echo_tp, "
+            "echo_tp.hf, torch`; sharded: SimulatedCommunicator(P, echo_config) for P virtual "
+            "ranks, or EchoCommunicator.from_group(None, echo_config), rank on a real rank)")
 
 
 def _read_file(file: Path, key_map: dict, cfg: ModelConfig, state: dict, device, dtype,
