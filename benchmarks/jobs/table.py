@@ -766,6 +766,7 @@ fi
                "SEEDS": "0 1", "LR": "", "STUDY_BUDGET": "", "W": "/tmp/train-llm",
                "M": "/tmp/m"},
         carry=(SMOL_DATA, GGUF_WHEEL, PARTS), keep=("speed.json", "study.json"),
+        records=("2026-12-05-train-speed-graph.md",),
         script=r"""
 record_env "$OUT"; mkdir -p "$W"; has() { [[ " $STAGES " == *" $1 "* ]]; }
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
