@@ -21,7 +21,7 @@ from echo_tp.models import ModelConfig, build_meta_model, init_weights
 __all__ = ["run_ranks", "bits_differ", "assert_bits_equal", "interpret_kernels", "two_timescale",
            "extreme_groups", "edge_input", "outlier_groups"]
 
-KERNEL_MODULES = ("echo_tp.kernels.flags", "echo_tp.kernels.quant_kernels",
+KERNEL_MODULES = ("echo_tp.kernels.quant_kernels", "echo_tp.kernels.flags",
                   "echo_tp.kernels.allreduce_kernels", "echo_tp.kernels.launcher",
                   "echo_tp.kernels.norm_kernels", "echo_tp.kernels.allreduce_plan",
                   "echo_tp.collective.simulated_fused")

@@ -484,35 +484,49 @@ def test_ticket_order_covers_every_item_once_tails_after_their_reduce(P, rank, t
 
 def _concurrent_rank(rank, P, bufs, errs, xs, ys, m1s, m2s, cfg, programs, tile, step,
                      lag=None, rs=None):
-    """One simulated rank in its own process: consecutive calls, no barrier between them.
-    programs=0: the three stage kernels (host-bumped epoch), or with lag: entry, then reduce
-    and tail overlapped in one launch; else the fused kernel with that many programs
-    (per-program epochs). rs [calls, P, n]: residuals, the kernels write rs + y."""
+    """One simulated rank in its own process: consecutive calls of lengths `lens` (prefixes of
+    the rows) on one room, no barrier between them. programs=0: the three stage kernels
+    (host-bumped epoch), or with lag: entry, then reduce and tail overlapped in one launch;
+    else the fused kernel with that many programs (it bumps the epoch itself). rs [calls, P,
+    n]: residuals, the kernels write rs + y."""
     torch.set_num_threads(1)
-    lay = ap.Layout.build(xs.shape[-1], P, cfg.quant_spec(), tile_elems=tile)
+    spec = cfg.quant_spec()
+    room = ap.Layout.needs(xs.shape[-1], P, spec, tile)
     table = torch.tensor([b.data_ptr() for b in bufs] + [errs[rank].data_ptr()])
-    epoch = torch.zeros(max(1, programs), dtype=torch.int64)
-    ticket = torch.zeros(2, dtype=torch.int64)
-    state = CompState(m1s[rank], m2s[rank])
+    epoch = torch.zeros(2, dtype=torch.int64)
+    ticket = torch.zeros(3, dtype=torch.int64)
     for call in range(xs.shape[0]):
+        k = _lens(xs.shape[-1])[call]
+        lay = ap.Layout.build(k, P, spec, tile_elems=tile, room=room)
         if not programs:
-            epoch.add_(1)
-        plan = ap.CallPlan(rank=rank, lay=lay, cfg=cfg, x=xs[call, rank], state=state, fs=None,
+            epoch[:1].add_(1)
+        plan = ap.CallPlan(rank=rank, lay=lay, cfg=cfg, x=xs[call, rank, :k],
+                           state=CompState(m1s[rank, :k], m2s[rank, :k]), fs=None,
                            epoch=epoch, table=table, timeout=300_000, use_timer=False,
                            num_warps=4, step_elems=step,
-                           residual=None if rs is None else rs[call, rank])
+                           residual=None if rs is None else rs[call, rank, :k])
         time.sleep(0.6 if rank == call % P else 0.0)          # one rank pushes late,
+        y = ys[call, rank, :k]
         if programs:
-            plan.fused(ys[call, rank], programs)
+            plan.fused(y, programs)
             continue
         plan.entry()
         time.sleep(0.6 if rank == (call + 1) % P else 0.0)    # another reduces late
         if lag is not None:
-            plan.reduce_tail(ys[call, rank], ticket, lag)
+            plan.reduce_tail(y, ticket, lag)
             continue
-        plan.reduce(ys[call, rank])
-        plan.tail(ys[call, rank])
+        plan.reduce(y)
+        plan.tail(y)
+    assert epoch.tolist() == [xs.shape[0], 0] and ticket[2] == 0, (epoch, ticket)
 
+
+LENS = (1.0, 0.4, 1.0)
+"""The concurrent test's call lengths, as fractions of n: a shorter call between two full ones
+(fewer tiles on the same room: the counters must start each call afresh)."""
+
+
+def _lens(n: int) -> list[int]:
+    return [int(f * n) for f in LENS]
 
 @pytest.mark.parametrize("P,residual,programs,tile,step,lag,add,outlier",
                          [(2, "local", 0, 256, 256, None, False, False),
@@ -540,6 +554,7 @@ def test_fused_ranks_in_concurrent_processes(P, residual, programs, tile, step, 
     cfg = two_timescale(bits=4, residual=residual, outlier=outlier)
     calls, n = 3, 1000 if not programs and lag is None else 2300
     lay = ap.Layout.build(n, P, cfg.quant_spec(), tile_elems=tile)
+    assert lay.tiles > ap.Layout.build(_lens(n)[1], P, cfg.quant_spec(), tile_elems=tile).tiles
     bufs = [torch.randint(0, 256, (lay.nbytes,), dtype=torch.uint8).share_memory_()
             for _ in range(P)]
     for b in bufs:
@@ -561,10 +576,12 @@ def test_fused_ranks_in_concurrent_processes(P, residual, programs, tile, step, 
         assert describe_error(errs[r]) is None, describe_error(errs[r])
     ref = CompState.zeros((P, n), "cpu")
     for call in range(calls):
-        want, _ = compensated_all_reduce(xs[call], cfg, SimTransport(P), state=ref)
+        k = _lens(n)[call]
+        want, _ = compensated_all_reduce(xs[call, :, :k], cfg, SimTransport(P),
+                                         state=CompState(ref.m1[:, :k], ref.m2[:, :k]))
         if add:
-            want = rs[call] + want                         # torch's add: one bf16 rounding
-        assert_bits_equal(ys[call], want, f"y call={call}")
+            want = rs[call, :, :k] + want                  # torch's add: one bf16 rounding
+        assert_bits_equal(ys[call, :, :k], want, f"y call={call}")
     assert_bits_equal(m1s, ref.m1, "m1")
     assert_bits_equal(m2s, ref.m2, "m2")
 

@@ -8,10 +8,10 @@ the compiled forms to torch's reference on fresh random inputs:
     fp16 scale, with dividends spread over the whole fp32 range, and for EVERY value a tagged
     (bf16) scale word of a finite group can hold, [2^-126, 2^126);
   * Triton encode/decode against quant.py (torch) on CUDA, adversarial groups included, and
-    groups at every scale (issue 15: both scale-word forms, fp32 subnormals, near fp32 max);
+    groups at every scale (both scale-word forms, fp32 subnormals, near fp32 max);
   * SimulatedFused (every stage kernel, P ranks on one GPU) against compensated_all_reduce with
     the torch quantizer (the `torch_quantizer` fixture), y and the compensator state bit for bit;
-  * issue-15 call sequences (huge groups, sums near the dtype's max, NaN/Inf then clean calls)
+  * edge call sequences (huge groups, sums near the dtype's max, NaN/Inf then clean calls)
     through SimulatedFused against the torch reference;
   * the block boundary (norm_kernels: add + RMSNorm, norm-only; SimulatedFused with the
     residual added where y is decoded, then the norm-only kernel) against norm.py's reference
@@ -20,6 +20,8 @@ the compiled forms to torch's reference on fresh random inputs:
     all_gather against collective/sharded.py with the torch quantizer, P = 2/4/8, y and state
     bit for bit over 3 calls; SimulatedCommunicator's halves on CUDA (FusedSimBackend: the
     kernels) against fused=False over a forward and a backward pass (P = 2);
+  * the packet header (`-k header`): tests/header_cases.py compiled (calls of any length on one
+    room, ranks whose calls differ);
   * the outlier word (QuantSpec.outlier; `-k outlier` and the cases with outlier True): every
     encode/decode test above with and without it, its own cases (harness.outlier_groups), the
     stage kernels on outlier calls (FUSED_OUTLIER), a boundary, two halves and a communicator
@@ -286,7 +288,7 @@ def test_simulated_fused_outlier_matches_torch_reference_on_gpu(case, tile, torc
     """The outlier word through the compiled entry, reduce and tail (every packet carries its
     outlier words; the reduce decodes and requantizes with them) against compensated_all_reduce
     with the torch quantizer: 4 calls (harness.outlier_groups without NaN/Inf, then with them;
-    randn with massive channels x3000; the issue-15 call with huge groups, NaN and Inf), y
+    randn with massive channels x3000; the edge call with huge groups, NaN and Inf), y
     and the state bit for bit after each, the state finite, y finite without NaN/Inf input."""
     P, bits, dtype, backward = case[0], case[1], case[4], case[5]
     n, dt = 100_003, getattr(torch, dtype)
@@ -383,7 +385,7 @@ ADD_NORM = [
 @pytest.mark.parametrize("case", ADD_NORM, ids=lambda c: "-".join(map(str, c)))
 @pytest.mark.parametrize("rows,H", [(75, 4000), (8, 4096)])
 def test_residual_in_the_all_reduce_then_rmsnorm_on_gpu(case, rows, H, torch_quantizer):
-    """The block boundary with the add where y is decoded (issue 18 item 2), compiled:
+    """The block boundary with the add where y is decoded, compiled:
     SimulatedFused(residual=r) (tile 1024: rows cross tiles and segments) then the norm-only
     kernel, against the reference all-reduce (torch quantizer) then add_rmsnorm_reference on
     CUDA: residual_out, normed and the state bit for bit over 3 calls (compensated) or 1."""
@@ -440,7 +442,7 @@ HALVES = [                 # few: every rank of every case is a cold compile per
 @pytest.mark.parametrize("case", HALVES, ids=lambda c: "-".join(map(str, c)))
 @pytest.mark.parametrize("kind", ["reduce_scatter", "all_gather"])
 def test_halves_match_sharded_reference_on_gpu(kind, case):
-    """The compiled halves (issue 20 item 4): SimulatedFused.reduce_scatter / all_gather
+    """The compiled halves: SimulatedFused.reduce_scatter / all_gather
     against collective/sharded.py with the torch quantizer (codec=quant), chunks of 257
     groups (partial tiles), y and the state bit for bit over 3 calls; all-gather rows equal."""
     from echo_tp import quant
@@ -513,3 +515,21 @@ def test_simulated_communicator_halves_on_gpu_run_the_kernels(P, cfg_name):
                 assert int(bits_differ(s1.m1, s2.m1).sum()) == 0, (direction, kind)
                 assert int(bits_differ(s1.m2, s2.m2).sum()) == 0, (direction, kind)
     assert backend._sims, "the halves did not run through the kernels"
+
+
+# ----- the packet header: every call's length and width, checked by the kernels -------------
+
+@pytest.mark.parametrize("what", ["shared room", "length", "longer", "bits", "quantizer", "dtype",
+                                  "one of three", "reduce_scatter", "all_gather"])
+def test_header_cases_compiled_on_gpu(what):
+    """tests/header_cases.py compiled on one GPU (the interpreter runs them in
+    tests/test_call_header.py): calls of any length on one room bit for bit, and ranks whose
+    calls differ recorded on every rank with NaN outputs."""
+    import header_cases as hc
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    if what == "shared room":
+        hc.shared_room(seed, "cuda")
+    elif what in ("reduce_scatter", "all_gather"):
+        hc.half_mismatch(what, seed, "cuda")
+    else:
+        hc.mismatch(what, seed, "cuda")

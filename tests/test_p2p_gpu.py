@@ -368,13 +368,9 @@ def _soak_fn(rank: int, world: int, calls: int):
 
 
 def _calls_seen(p2p, ws) -> list[int]:
-    """The epoch values of a workspace: [calls] for the stage kernels (one counter); for the
-    fused kernel the distinct per-program counters of the programs that ran (all equal to the
-    number of calls when every call bumped each once)."""
-    if not ws.programs:
-        return [int(ws.epoch.item())]
-    used = max(1, min(ws.programs, ws.lay.tiles))
-    return sorted(set(ws.epochs[:used].tolist()))
+    """A workspace's counters: [epoch (the calls it ran, stage or fused), fused departures
+    (0 between calls)]."""
+    return ws.epoch.tolist()
 
 
 def test_two_groups_and_soak():
@@ -384,8 +380,8 @@ def test_two_groups_and_soak():
     for rank, r in enumerate(run_ranks(2, _soak_fn, calls, timeout=900)):
         assert r["two_groups"] == 0 and r["soak"] == 0, (rank, r)
         assert r["mem_growth"] == 0, (rank, r)
-        # one workspace per size: 20 interleaved calls, and 1 warm-up + the soak
-        assert sorted(r["epochs"]) == sorted([[20], [calls + 1]]), (rank, r)
+        # one workspace for every size: 20 interleaved calls, 1 warm-up and the soak
+        assert r["epochs"] == [[20 + calls + 1, 0]], (rank, r)
 
 
 # ----- the halves: reduce-scatter and all-gather ---------------------------------------------
@@ -549,3 +545,64 @@ def test_p2p_halves_bit_identical_to_reference(world):
         bad = [r for r in rows if r["y"] or r["m1"] or r["m2"] or r.get("ag_ranks")
                or ("want" in r and r["backends"] != [r["want"]])]
         assert not bad, f"rank {rank}: mismatching elements or routes {bad}"
+
+
+# ----- the packet header on real ranks: any length without a host check, mismatches refused ----
+
+def _header_fn(rank: int, world: int, lengths: int):
+    """`lengths` distinct lengths (fused and staged forms, 4 and 8 bits) on one P2PBackend, then
+    one call whose length differs on the last rank. Returns: mismatches against the reference
+    (every 50th call), the workspaces grown, the host collectives the backend ran (its
+    transport's all-gathers: the growth agreements only), whether the bad call's y is all NaN,
+    and the error check_error() raised."""
+    import torch.distributed as dist
+
+    from echo_tp.collective.dispatch import TransportBackend
+    from echo_tp.collective.p2p import P2PBackend
+    from echo_tp.collective.reference import DistTransport
+    for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                 ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ.setdefault(k, v)
+    torch.cuda.set_device(rank)
+    group = dist.new_group(backend="nccl")
+    p = P2PBackend(group)
+    ref = TransportBackend(DistTransport(group))
+    agreements = []
+    grow = p._grow
+    p._grow = lambda *a: (agreements.append(a[1]), grow(*a))[1]
+    gen = torch.Generator().manual_seed(11)
+    ns = torch.randint(1 << 12, 1 << 23, (lengths,), generator=gen).tolist()
+    out = {"mismatch": 0}
+    for k, n in enumerate(ns):
+        cfg = two_timescale(bits=4 if k % 3 else 8, eta=0.0)
+        x = _input(n, "bfloat16", rank, seed=k, backward=False)
+        y, _ = p.run(x, cfg, route=p2p_route(x, cfg, world), state=None, backward=False,
+                     record=False)
+        if k % 50 == 0:
+            want, _ = ref.run(x, cfg, state=None, backward=False, record=False)
+            out["mismatch"] += _mismatch(y, want)
+    p.check_error()
+    out["grown"], out["workspaces"] = len(agreements), len(p._retired) + len(p._ws)
+    cfg = two_timescale(bits=4, eta=0.0)
+    n = 1 << 20
+    x = _input(n + (4096 if rank == world - 1 else 0), "bfloat16", rank, seed=3, backward=False)
+    y, _ = p.run(x, cfg, route=p2p_route(x, cfg, world), state=None, backward=False,
+                 record=False)
+    try:
+        p.check_error()
+        out["error"] = None
+    except ValueError as e:
+        out["error"] = str(e)
+    out["nan"] = bool(y.isnan().all())
+    return out
+
+
+def test_header_any_length_and_mismatch_on_real_ranks():
+    if torch.cuda.device_count() < 2:
+        pytest.skip(NEEDS.format(2))
+    lengths = 1000
+    for rank, r in enumerate(run_ranks(2, _header_fn, lengths, timeout=900)):
+        assert r["mismatch"] == 0, (rank, r)
+        assert r["grown"] <= 12 and r["workspaces"] == r["grown"], (rank, r)
+        assert r["error"] and "collective calls differ across ranks" in r["error"], (rank, r)
+        assert r["nan"], (rank, r)

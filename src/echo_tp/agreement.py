@@ -10,10 +10,18 @@ runs before any packet moves:
     transport's CallLengthMismatch into the ValueError naming every rank's call, before
     anything is returned. A call whose rows are wider than any before pays one 3-integer
     agreement (inband.py);
-  * CUDA calls and 16-bit calls agree on each new whole signature once (on CUDA reading an
-    in-band header would be a host sync per call; the 16-bit calls are torch's own
-    collectives, bit for bit), remembering at most MAX_CHECKED of them, the least recently
-    used dropped first (every rank forgets the same one);
+  * CUDA calls on the p2p kernels (`carried`) agree on the fixed part once, like the CPU
+    calls: their packets carry the call's length and width in a header beside each flag, and
+    every kernel that receives a packet compares it with its own call on the GPU (no host
+    sync); ranks that differ get an error record on every rank, NaN outputs for that call and
+    a ValueError naming both calls at their next call on the backend (or at `check_error()`;
+    collective/p2p.py). What the header cannot see: calls that take different kinds of
+    workspace (an all-reduce on one rank, a half on another) or a call that grows the
+    workspace on one rank only; those time out in the kernels, naming rank and stage;
+  * other CUDA calls (NCCL's plain and one-shot 16-bit routes: NCCL checks nothing and
+    carries no header) and 16-bit calls agree on each new whole signature once,
+    remembering at most MAX_CHECKED of them, the least recently used dropped first (every
+    rank forgets the same one);
   * ECHO_DEBUG_CHECKS=1 agrees on the whole signature on every call. The default cannot tell
     when a rank repeats a remembered signature while a peer makes a new one, or when two
     ranks' numels fall in different width classes unless both rows are wider than any sent
@@ -52,14 +60,18 @@ class Agreement:
         self._checked: OrderedDict[tuple, None] = OrderedDict()     # whole ones (CUDA, 16-bit)
         self._transport: DistTransport | None = None
 
-    def check(self, flat: torch.Tensor, cfg: EchoConfig, direction: str, kind: str) -> bool:
+    def check(self, flat: torch.Tensor, cfg: EchoConfig, direction: str, kind: str,
+              carried: bool = False) -> bool:
         """Every rank makes this call (flat [n] of one rank) with the same signature: a
-        ValueError on every rank otherwise. Returns whether the numel is checked in-band
+        ValueError on every rank otherwise. carried: the call's packets carry its length and
+        width on the GPU (a p2p route: Dispatcher.carries_call), so only its fixed part is
+        agreed, once. Returns whether the numel is checked in-band by the reference transport
         (then run the call inside `in_band`)."""
         sig = signature(kind, flat.shape[-1], flat.dtype, cfg.bits, direction, flat.is_cuda)
         inband = (self.lengths is not None and cfg.quantized and not flat.is_cuda
                   and not self.debug)
-        if inband:
+        fixed_only = inband or (carried and not self.debug)
+        if fixed_only:
             key = sig[:1] + sig[2:]                       # without the numel
             if key in self._agreed:
                 return True
@@ -75,7 +87,7 @@ class Agreement:
         if self._transport is None:
             self._transport = DistTransport(self.group)
         check_same_call(sig, self._transport, flat.device)
-        if inband:
+        if fixed_only:
             self._agreed.add(key)
         elif not self.debug:
             self._checked[sig] = None

@@ -182,14 +182,16 @@ class EchoCommunicator(Passes):
         ps = self.passes[direction]
         site = ps.sites
         flat = self._flatten(x)
-        inband = not self.simulated and self.agreement.check(flat, cfg, direction, "all_reduce")
+        record = self.telemetry is not None and cfg.quantized
+        inband = not self.simulated and self.agreement.check(
+            flat, cfg, direction, "all_reduce",
+            carried=self.dispatcher.carries_call(flat, cfg, record=record))
         ps.sites += 1
         if self.world_size == 1:       # the sum over a group of one is the input, exactly
             return Reduced(x if inplace else x.clone())
         if flat.shape[-1] == 0 and not inband:
             return Reduced(x.clone())
         state = state_of(ps, flat, cfg)
-        record = self.telemetry is not None and cfg.quantized
         inplace = inplace and x.is_contiguous() and (flat is x or flat.data_ptr() == x.data_ptr())
         if boundary is not None and not record and not self.simulated:
             done = self.dispatcher.run_boundary(flat, cfg, boundary.residual, boundary.weight,
@@ -220,13 +222,16 @@ class EchoCommunicator(Passes):
         if self.simulated:
             self._flatten(x)                               # the leading-dim check
         flat, restore = half_view(x, dim, kind, self.world_size, self.simulated)
-        inband = not self.simulated and self.agreement.check(flat, cfg, direction, kind)
+        live = compensate and self.world_size > 1 and flat.shape[-1] > 0
+        state = state_of(ps, flat, cfg) if live else None
+        inband = not self.simulated and self.agreement.check(
+            flat, cfg, direction, kind,
+            carried=self.dispatcher.carries_call(flat, cfg, kind, state))
         ps.sites += 1
         if self.world_size == 1:       # a group of one: its chunk / its gather is the input
             return x.clone()
         if flat.shape[-1] == 0 and not inband:
             return restore(flat.clone())
-        state = state_of(ps, flat, cfg) if compensate else None
         with self.agreement.in_band(inband, flat, cfg, direction, kind):
             y = self.dispatcher.run_half(kind, flat, cfg, state=state,
                                          backward=direction == "backward")

@@ -30,9 +30,19 @@ over the group) before entry. Bit-identical to the reference backend (collective
 DistTransport) for the same inputs, state and config; calls with record=True (telemetry) run
 the reference itself. Waits are bounded by ECHO_FLAG_TIMEOUT_S: a timed-out kernel writes
 (rank, stage, tile, peer) to pinned host memory and the next call raises RuntimeError
-(`check_error()` syncs and raises at once). Buffers (kernels/allreduce_plan.Layout) live in
-symmetric memory (collective/symm.py), one per (dtype, quantizer, P, segment, form, tile); the
-halves' two per (kind, dtype, quantizer, P, segment, tile).
+(`check_error()` syncs and raises at once).
+
+Every call carries its length and width: beside each flag the sender writes its call word
+(numel, bits, group size, quantizer, input dtype: flags.call_word), and every kernel that waits
+for a packet compares it with its own call's. Ranks whose calls differ each record the
+mismatch (both call words) and abort, the call's y is NaN where it used a refused packet, and
+the next call (or `check_error()`) raises a ValueError naming both calls. So no host check of
+a call's length is needed (agreement.py agrees on the fixed part once). For that, calls of any
+length, width, form and tile run on the same buffers: one workspace for the all-reduce, a pair
+per half (kernels/allreduce_plan.Room: slots and flag arrays sized for the largest call so
+far); a call larger than the room grows it first, with one small all-gather of every rank's
+need (at least doubling what grows), the old buffers kept alive for CUDA graphs captured on
+them. Buffers live in symmetric memory (collective/symm.py).
 """
 from __future__ import annotations
 
@@ -54,23 +64,27 @@ from .routing import Route
 from .symm import SymmetricBuffer, agreed_sm_count, select_symm_backend
 
 log = logging.getLogger(__name__)
+_KIND_NAMES = {code: (half or "all_reduce") for half, code in
+               allreduce_plan.HALF_CODES.items()}
 
 
 class _Workspace(SymmetricBuffer):
-    """The buffer of one layout, with its epoch counters: one per call (stage kernels, bumped
-    by the host) or one per program (fused kernel, bumped by the kernel itself)."""
+    """The all-reduce's buffer (every call of the backend, whatever its length, width, form
+    and tile: allreduce_plan.Room) with its counters: epoch [2] (the epoch, bumped by the host
+    for the stage kernels and by the fused kernel itself, then the fused kernel's departure
+    count) and ticket [3] (reduce_tail_kernel's)."""
 
-    def __init__(self, lay, group, rank: int, device, err: torch.Tensor, programs: int):
-        super().__init__(lay.nbytes, lay.flags_off, group, rank, lay.world_size, device, err)
-        self.lay = lay
-        self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
-        self.programs = programs
-        self.epochs = torch.zeros(max(1, programs), dtype=torch.int64, device=device)
-        self.ticket = torch.zeros(2, dtype=torch.int64, device=device)   # reduce_tail_kernel
+    def __init__(self, room: allreduce_plan.Room, group, rank: int, world: int, device,
+                 err: torch.Tensor):
+        super().__init__(room.nbytes(world), room.flags_off(world), group, rank, world, device,
+                         err)
+        self.room = room
+        self.epoch = torch.zeros(2, dtype=torch.int64, device=device)
+        self.ticket = torch.zeros(3, dtype=torch.int64, device=device)
 
 
 class _HalfWorkspaces:
-    """The two workspaces of one layout and kind of the halves, used in turn: call k of the
+    """The two workspaces of one kind of the halves (one room), used in turn: call k of the
     pair has epoch k+1 and runs on workspace (k+1) % 2. `advance` (flags.next_call_kernel)
     bumps the pair's one epoch counter and points `table` at the call's workspace on the
     device, so a CUDA graph that captured an odd number of calls alternates on replay too.
@@ -96,10 +110,11 @@ class _HalfWorkspaces:
     saw their flags; a timed-out wait (ECHO_FLAG_TIMEOUT_S) gave up without, but left the error
     record, so the calls after it raise (`raise_if_set`)."""
 
-    def __init__(self, lay, group, rank: int, device, err: torch.Tensor):
-        self.lay = lay
-        self.bufs = [SymmetricBuffer(lay.nbytes, lay.flags_off, group, rank, lay.world_size,
-                                     device, err) for _ in range(2)]
+    def __init__(self, room: allreduce_plan.Room, group, rank: int, world: int, device,
+                 err: torch.Tensor):
+        self.room = room
+        self.bufs = [SymmetricBuffer(room.nbytes(world), room.flags_off(world), group, rank,
+                                     world, device, err) for _ in range(2)]
         self.tables = torch.stack([b.table for b in self.bufs])      # [2, P+1] int64
         self.table = self.tables[0].clone()                           # [P+1]: this call's
         self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
@@ -136,7 +151,8 @@ class P2PBackend(Backend):
         self._err = flags.new_error_buffer(True)
         self._err_np = self._err.numpy()
         self._ws: dict = {}
-        self._ws_by_call: dict = {}
+        """Kind (None: the all-reduce; 'reduce_scatter', 'all_gather') -> its workspace."""
+        self._retired: list = []
         self._timeouts: dict[bool, int] = {}
 
     def run(self, x: torch.Tensor, cfg: EchoConfig, *, route: Route,
@@ -153,7 +169,7 @@ class P2PBackend(Backend):
         plan, ws, y = self.prepare(x, cfg, route, state=state, backward=backward,
                                    residual=residual)
         if route.form == "fused":
-            self._launch(plan, lambda: plan.fused(y, ws.programs))
+            self._launch(plan, lambda: plan.fused(y, self.programs))
             return y, None
         plan.entry()
         if route.overlap == "launch":
@@ -200,17 +216,17 @@ class P2PBackend(Backend):
             why = "the halves run the stage kernels only (route form 'staged')"
         if why is not None:
             raise ValueError(f"p2p backend cannot run this {half or 'all_reduce'}: {why}")
-        ws = self._workspace(x, cfg, fused, route.tile, half)
+        ws, lay = self._workspace(x, cfg, route.tile, half)
         fs = None
         if backward and cfg.grad_scaling:
             fs = grad_scale(allreduce_plan.local_amax(x, state, cfg), self.transport)   # [1]
         if half is not None:
             ws.advance()
         elif not fused:
-            ws.epoch.add_(1)
+            ws.epoch[:1].add_(1)
         plan = allreduce_plan.CallPlan(
-            rank=self.rank, lay=ws.lay, cfg=cfg, x=x, state=state, fs=fs,
-            epoch=ws.epochs if fused else ws.epoch, table=ws.table,
+            rank=self.rank, lay=lay, cfg=cfg, x=x, state=state, fs=fs,
+            epoch=ws.epoch, table=ws.table,
             timeout=self._timeout_units(), use_timer=self.use_timer,
             num_warps=route.num_warps, step_elems=route.step, residual=residual, half=half)
         if half is None:
@@ -220,7 +236,7 @@ class P2PBackend(Backend):
 
     def close(self) -> None:
         self._ws.clear()
-        self._ws_by_call.clear()
+        self._retired.clear()
 
     def check_error(self) -> None:
         """Synchronize the device and raise if any wait of this backend timed out."""
@@ -228,24 +244,42 @@ class P2PBackend(Backend):
         flags.raise_if_set(self._err, self._err_np)
 
     # ----- helpers -----
-    def _workspace(self, x: torch.Tensor, cfg: EchoConfig, fused: bool, tile: int,
-                   half: str | None = None) -> _Workspace | _HalfWorkspaces:
-        """The all-reduce's workspace of x's layout (half None), or the pair of the half's
-        kind on the layout of its P*m values."""
+    def _workspace(self, x: torch.Tensor, cfg: EchoConfig, tile: int, half: str | None = None
+                   ) -> tuple[_Workspace | _HalfWorkspaces, allreduce_plan.Layout]:
+        """The workspace of the call's kind (the all-reduce's: half None; the pair of a half's
+        kind) and the call's layout in it. A call the room does not hold grows it first (one
+        agreement across ranks, `_grow`); other calls need no host step, whatever their
+        length: the packet headers carry it (module docstring)."""
         spec = cfg.quant_spec()
         numel = x.numel() * (self.world_size if half == "all_gather" else 1)
-        call_key = (half, numel, x.dtype, spec, fused, tile)
-        ws = self._ws_by_call.get(call_key)
-        if ws is None:
-            lay = allreduce_plan.Layout.build(numel, self.world_size, spec, tile)
-            key = (half, x.dtype, spec, lay.seg, fused, tile)   # calls of one layout share it
-            ws = self._ws.get(key)
-            if ws is None:
-                ws = self._ws[key] = (
-                    _Workspace(lay, self.group, self.rank, self.device, self._err,
-                               self.programs if fused else 0) if half is None else
-                    _HalfWorkspaces(lay, self.group, self.rank, self.device, self._err))
-            self._ws_by_call[call_key] = ws
+        need = allreduce_plan.Layout.needs(numel, self.world_size, spec, tile)
+        ws = self._ws.get(half)
+        if ws is None or not ws.room.holds(need):
+            ws = self._grow(half, need, ws)
+        return ws, allreduce_plan.Layout.build(numel, self.world_size, spec, tile, room=ws.room)
+
+    def _grow(self, half: str | None, need: allreduce_plan.Room,
+              old: _Workspace | _HalfWorkspaces | None) -> _Workspace | _HalfWorkspaces:
+        """A larger workspace for `half`'s calls: every rank's need agreed in one small
+        all-gather (the ranks reach this with the same call: a rank whose call fits while a
+        peer's does not times out in its kernels instead, naming rank and stage), the room
+        grown to hold all of them (at least doubling what grows), the new buffers allocated
+        (a collective) and the old ones kept alive (CUDA graphs captured on them replay)."""
+        kind = allreduce_plan.HALF_CODES[half]
+        got = self.transport.all_gather_ints([kind, need.slot, need.tiles], device=self.device,
+                                             stage="p2p workspace agreement")
+        if any(g[0] != kind for g in got):
+            raise ValueError("collective calls differ across ranks: "
+                             + ", ".join(f"rank {r} grows the workspace of "
+                                         f"{_KIND_NAMES[g[0]]}" for r, g in enumerate(got)))
+        for _, slot, tiles in got:
+            need = need.union(allreduce_plan.Room(slot, tiles))
+        room = old.room.grown(need) if old is not None else need
+        if old is not None:
+            self._retired.append(old)
+        args = (room, self.group, self.rank, self.world_size, self.device, self._err)
+        ws = self._ws[half] = _Workspace(*args) if half is None else _HalfWorkspaces(*args)
+        log.debug("echo-tp p2p: %s workspace of %s", _KIND_NAMES[kind], room)
         return ws
 
     def _timeout_units(self) -> int:

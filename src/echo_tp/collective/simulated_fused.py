@@ -23,7 +23,7 @@ from ..compensator import CompState
 from ..config import EchoConfig, QuantSpec
 from ..kernels.allreduce_plan import CallPlan, Layout, local_amax
 from ..kernels.fits import fits
-from ..kernels.flags import describe_error, new_error_buffer
+from ..kernels.flags import new_error_buffer, raise_if_set
 from . import routing, tuning
 from .backend import Backend
 from .qar import grad_scale
@@ -50,23 +50,27 @@ class SimulatedFused:
         self._ws: dict = {}
 
     def workspace(self, n: int, spec: QuantSpec, device) -> dict:
-        key = (n, spec, str(device))
+        """The buffers of every call on `device` (one room, as the p2p backend's: grown, on
+        fresh buffers, when a call does not fit) and this call's layout in them ('lay')."""
+        P, key = self.world_size, str(device)
+        need = Layout.needs(n, P, spec, self.tile_elems)
         ws = self._ws.get(key)
-        if ws is None:
-            P = self.world_size
-            lay = Layout.build(n, P, spec, self.tile_elems)
-            bufs = [torch.randint(0, 256, (lay.nbytes,), dtype=torch.uint8, device=device)
+        if ws is None or not ws["room"].holds(need):
+            room = need if ws is None else ws["room"].grown(need)
+            nbytes = room.nbytes(P)
+            bufs = [torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
                     for _ in range(P)]                     # poison: unwritten bytes are noise
             for b in bufs:
-                lay.flag_words(b).zero_()
+                b[room.flags_off(P):].view(torch.int64).zero_()
             # error records in host memory the kernels write (pinned on CUDA, as the p2p
             # backend's): the host reads them without a device sync
             errs = [new_error_buffer(torch.device(device).type == "cuda") for _ in range(P)]
             tables = [torch.tensor([b.data_ptr() for b in bufs] + [errs[r].data_ptr()],
                                    dtype=torch.int64, device=device) for r in range(P)]
             epochs = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(P)]
-            ws = self._ws[key] = dict(lay=lay, bufs=bufs, errs=errs, tables=tables,
+            ws = self._ws[key] = dict(room=room, bufs=bufs, errs=errs, tables=tables,
                                       epochs=epochs, errs_np=[e.numpy() for e in errs])
+        ws["lay"] = Layout.build(n, P, spec, self.tile_elems, room=ws["room"])
         return ws
 
     def __call__(self, x: torch.Tensor, cfg: EchoConfig, *, state: CompState | None,
@@ -136,8 +140,7 @@ class SimulatedFused:
                     getattr(plan, stage)(y[r])
         for ws in self._ws.values():
             for err, err_np in zip(ws["errs"], ws["errs_np"]):
-                if err_np[0] != 0:
-                    raise RuntimeError(describe_error(err))
+                raise_if_set(err, err_np)
 
     def plans(self, x: torch.Tensor, cfg: EchoConfig, state: CompState | None,
               fs: torch.Tensor | None = None, residual: torch.Tensor | None = None,

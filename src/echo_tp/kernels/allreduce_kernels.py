@@ -30,7 +30,13 @@ y and the compensator state are bit-identical). Per rank r, with P ranks, segmen
            every rank's gather slot RANK, u = x' - x^), then tail over all P owners (FIRST=0).
 
 Every rank owns one byte buffer (`Layout`), symmetric across ranks; `table` [P+1] int64 holds the
-P buffers' addresses as seen from this rank, then the address of its error record. The same
+P buffers' addresses as seen from this rank, then the address of its error record. Flag arrays
+have `stride` tiles (the room's: calls of any length share the buffer, `tiles` is the call's).
+Header: before each release a sender stores its call word (flags.call_word: n, GS, BITS,
+QUANT, OUTLIER, X_KIND) beside the flag (recv by the entry, gath by the reduce); the reduce and
+the tail compare the word of every packet they waited for with their own (flags.same_call):
+a different call records the mismatch and aborts the rank, and y is NaN where the tile's
+waits or checks failed (`_or_nan`). The same
 kernels run on P GPUs (collective/p2p.py, buffers in symmetric memory) and on P simulated ranks
 in one process (collective/simulated_fused.py, the CPU test under TRITON_INTERPRET=1): stages
 launched in order entry(all ranks), reduce(all), tail(all) find every flag already set.
@@ -41,7 +47,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .flags import gated, signal, wait_geq
+from .flags import call_word, gated, same_call, signal, wait_geq
 from .quant_kernels import (F32_MAX, _cast_out, _cast_sat, _decode_regs, _dequant, _groups,
                             _lanes, _load_codes, _load_f32, _load_word, _put_outlier, _quantize,
                             _sat, _store_codes, _store_words, _word_scale)
@@ -142,6 +148,32 @@ def _store_y(y_ptr, res_ptr, e, emask, y32, X_KIND: tl.constexpr, ADD: tl.conste
 
 
 @triton.jit
+def _headers(flags, P: tl.constexpr, stride):
+    """int64* of a buffer's call words (Layout: after recv, gath and the abort word):
+    recv headers [P][stride], then gath headers [P][stride]."""
+    return flags + 2 * P * stride + 1
+
+
+@triton.jit
+def _or_nan(v, ok):
+    """v, or NaN everywhere when ok (a scalar: the tile's waits and header checks) is
+    False: a failed call's output is NaN, never stale memory."""
+    return tl.where(ok, v, float("nan"))
+
+
+@triton.jit
+def _depart(count_ptr, programs, word_ptr, value):
+    """This program is done with the call: count it; the last of `programs` sets *word_ptr =
+    value and the count back to 0 (every program read *word_ptr before it departed, and the
+    next call starts after this launch ends: stream order)."""
+    tl.debug_barrier()
+    d = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    if d == programs - 1:
+        tl.store(word_ptr, value)
+        tl.store(count_ptr, d * 0)
+
+
+@triton.jit
 def _slot(k, slot):
     """Byte offset of slot k (int64: buffers of large messages pass 2^31 bytes)."""
     return (tl.zeros([], tl.int64) + k) * slot
@@ -236,7 +268,7 @@ def _step_ids(t, c, j, seg, groups, n, BG: tl.constexpr, SG: tl.constexpr, GS: t
 
 @triton.jit
 def _entry_tile(t, j, ep, x_ptr, m1_ptr, m2_ptr, fs_ptr, table_ptr,
-                n, seg, groups, slot, scale_off, zero_off, flags_off, tiles,
+                n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, stride,
                 eta, a, oma, b1, omb1, b2, omb2,
                 RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr, BG: tl.constexpr,
                 SG: tl.constexpr, GS: tl.constexpr, VT: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
@@ -255,7 +287,10 @@ def _entry_tile(t, j, ep, x_ptr, m1_ptr, m2_ptr, fs_ptr, table_ptr,
                       word, GS, BITS, VT, QUANT, OUTLIER)  # peer j's receive slot of RANK
         if LOCAL:
             _update(m1_ptr, m2_ptr, e, emask, m1, m2, err, b1, omb1, b2, omb2, COMP)
-    signal((peer + flags_off).to(tl.pointer_type(tl.int64)) + RANK * tiles + t, ep)
+    pf = (peer + flags_off).to(tl.pointer_type(tl.int64))
+    tl.store(_headers(pf, P, stride) + RANK * stride + t,
+             call_word(n, GS, BITS, QUANT, OUTLIER, X_KIND))     # recv header, then its flag
+    signal(pf + RANK * stride + t, ep)
 
 
 @triton.jit
@@ -281,7 +316,7 @@ def _entry_step(x_ptr, m1_ptr, m2_ptr, fs_ptr, e, emask, eta, a, oma, X_KIND: tl
 
 @triton.jit
 def _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_ptr,
-                 n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
+                 n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, stride, timeout,
                  eta, a, oma, b1, omb1, b2, omb2,
                  RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr, BG: tl.constexpr,
                  SG: tl.constexpr, GS: tl.constexpr, VT: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
@@ -302,14 +337,19 @@ def _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_ptr
          signalled; LOCAL: m1, m2 updated with x' - decode(encode(x')) [/ 2^e]."""
     own = _buffer(table_ptr, RANK)
     flags = (own + flags_off).to(tl.pointer_type(tl.int64))   # recv [P][tiles], gath [P][tiles]
-    abort = flags + 2 * P * tiles
+    abort = flags + 2 * P * stride
     err_rec = tl.load(table_ptr + P).to(tl.pointer_type(tl.int64))
     ok = ep == ep
+    mine = call_word(n, GS, BITS, QUANT, OUTLIER, X_KIND)
     if HALF != 2:
         for r in tl.static_range(P):
             if r != RANK:
-                ok = ok & wait_geq(flags + r * tiles + t, ep, abort, err_rec, RANK, 1, t, r,
+                ok = ok & wait_geq(flags + r * stride + t, ep, abort, err_rec, RANK, 1, t, r,
                                    timeout, USE_TIMER)
+        for r in tl.static_range(P):                       # the senders made this call
+            if r != RANK:
+                ok = same_call(_headers(flags, P, stride) + r * stride + t, mine, ok, abort,
+                               err_rec, RANK, 4, t, r)
     for c in tl.range(0, BG // SG):
         if HALF == 2:
             grp, gmask, e, emask = _step_ids(t, c, 0, seg, groups, n, BG, SG, GS, VT)
@@ -322,7 +362,7 @@ def _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_ptr
         if HALF == 1:
             if SCALED:
                 acc = acc * tl.math.div_rn(tl.full([], 1.0, tl.float32), f)
-            _store_y(y_ptr, res_ptr, e - _slot(RANK, seg), gated(emask, ok), acc, X_KIND,
+            _store_y(y_ptr, res_ptr, e - _slot(RANK, seg), emask, _or_nan(acc, ok), X_KIND,
                      False)                                # y [seg]: chunk RANK of the sum
             if LOCAL:
                 _update(m1_ptr, m2_ptr, e, gated(emask, ok), m1, m2, tl.zeros_like(acc), b1,
@@ -349,7 +389,7 @@ def _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_ptr
                     inv = tl.math.div_rn(tl.full([], 1.0, tl.float32), f)
                     y32 = y32 * inv
                 if OWN_Y:
-                    _store_y(y_ptr, res_ptr, e, gated(emask, ok), y32, X_KIND, ADD)
+                    _store_y(y_ptr, res_ptr, e, emask, _or_nan(y32, ok), X_KIND, ADD)
                 if LOCAL:
                     if SCALED:
                         u = acc * inv - _as_f32_of_out(y32, X_KIND)
@@ -360,9 +400,10 @@ def _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_ptr
     if HALF != 1:
         if ok:
             for i in tl.static_range(P):
-                peer = _buffer(table_ptr, (RANK + 1 + i) % P)
-                signal((peer + flags_off).to(tl.pointer_type(tl.int64)) + (P + RANK) * tiles
-                       + t, ep)
+                pf = (_buffer(table_ptr, (RANK + 1 + i) % P) + flags_off).to(
+                    tl.pointer_type(tl.int64))
+                tl.store(_headers(pf, P, stride) + (P + RANK) * stride + t, mine)
+                signal(pf + (P + RANK) * stride + t, ep)
 
 
 @triton.jit
@@ -395,7 +436,7 @@ def _owner_sum(x_ptr, m1_ptr, m2_ptr, fs_ptr, own, e, emask, grp, gmask, slot, s
 
 @triton.jit
 def _tail_tile(t, j, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_ptr,
-               n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
+               n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, stride, timeout,
                eta, a, oma, b1, omb1, b2, omb2,
                RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr, BG: tl.constexpr,
                SG: tl.constexpr, GS: tl.constexpr, VT: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
@@ -407,17 +448,20 @@ def _tail_tile(t, j, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_pt
     own = _buffer(table_ptr, RANK)
     flags = (own + flags_off).to(tl.pointer_type(tl.int64))
     err_rec = tl.load(table_ptr + P).to(tl.pointer_type(tl.int64))
-    ok = wait_geq(flags + (P + j) * tiles + t, ep, flags + 2 * P * tiles, err_rec, RANK, 2,
+    ok = wait_geq(flags + (P + j) * stride + t, ep, flags + 2 * P * stride, err_rec, RANK, 2,
                   t, j, timeout, USE_TIMER)
+    ok = same_call(_headers(flags, P, stride) + (P + j) * stride + t,
+                   call_word(n, GS, BITS, QUANT, OUTLIER, X_KIND), ok, flags + 2 * P * stride,
+                   err_rec, RANK, 5, t, j)                # the owner made this call
     for c in tl.range(0, BG // SG):
-        grp, gmask, e, emask = _step_ids(t, c, j, seg, groups, n, BG, SG, GS, VT)
-        emask = gated(emask, ok)
+        grp, gmask, e, ymask = _step_ids(t, c, j, seg, groups, n, BG, SG, GS, VT)
+        emask = gated(ymask, ok)
         y32 = _decode_slot(own + _slot(P + j, slot), scale_off, zero_off, grp, gmask, GS,
                            BITS, VT, QUANT, QMAX, SCALED, OUTLIER)   # unsaturated: every use
         #                                                         saturates below
         if SCALED:
             y32 = y32 * tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.load(fs_ptr))
-        _store_y(y_ptr, res_ptr, e, emask, y32, X_KIND, ADD)
+        _store_y(y_ptr, res_ptr, e, ymask, _or_nan(y32, ok), X_KIND, ADD)
         if OUTPUT:
             xp, m1, m2 = _x_prime(x_ptr, m1_ptr, m2_ptr, e, emask, eta, a, oma, X_KIND, COMP)
             yf = _as_f32_of_out(y32, X_KIND)
@@ -429,7 +473,7 @@ def _tail_tile(t, j, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_pt
 
 @triton.jit
 def entry_kernel(x_ptr, m1_ptr, m2_ptr, fs_ptr, epoch_ptr, table_ptr,
-                 n, seg, groups, slot, scale_off, zero_off, flags_off, tiles,
+                 n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, stride,
                  eta, a, oma, b1, omb1, b2, omb2,
                  RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr, BG: tl.constexpr,
                  SG: tl.constexpr, GS: tl.constexpr, VT: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
@@ -438,14 +482,14 @@ def entry_kernel(x_ptr, m1_ptr, m2_ptr, fs_ptr, epoch_ptr, table_ptr,
     """grid (tiles, P-1): program (t, i) pushes tile t of segment RANK+1+i (mod P)."""
     j = (RANK + 1 + tl.program_id(1)) % P                 # destination owner, never RANK
     _entry_tile(tl.program_id(0), j, tl.load(epoch_ptr), x_ptr, m1_ptr, m2_ptr, fs_ptr,
-                table_ptr, n, seg, groups, slot, scale_off, zero_off, flags_off, tiles,
+                table_ptr, n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, stride,
                 eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, VT, BITS, QUANT, LEVELS,
                 QMAX, COMP, SCALED, LOCAL, OUTLIER)
 
 
 @triton.jit
 def reduce_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, epoch_ptr, table_ptr,
-                  n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
+                  n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, stride, timeout,
                   eta, a, oma, b1, omb1, b2, omb2,
                   RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr, BG: tl.constexpr,
                   SG: tl.constexpr, GS: tl.constexpr, VT: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
@@ -457,14 +501,14 @@ def reduce_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, epoch_ptr, tabl
     ADD: residual + y); HALF 1: the reduce-scatter's reduce, 2: the all-gather's entry
     (`_reduce_tile`)."""
     _reduce_tile(tl.program_id(0), tl.load(epoch_ptr), x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr,
-                 fs_ptr, table_ptr, n, seg, groups, slot, scale_off, zero_off, flags_off, tiles,
+                 fs_ptr, table_ptr, n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, stride,
                  timeout, eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, VT, BITS,
                  QUANT, LEVELS, QMAX, COMP, SCALED, LOCAL, USE_TIMER, OWN_Y, ADD, HALF, OUTLIER)
 
 
 @triton.jit
 def tail_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, epoch_ptr, table_ptr,
-                n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
+                n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, stride, timeout,
                 eta, a, oma, b1, omb1, b2, omb2,
                 RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr, BG: tl.constexpr,
                 SG: tl.constexpr, GS: tl.constexpr, VT: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
@@ -476,7 +520,7 @@ def tail_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, epoch_ptr, table_
     ADD: stores residual + y."""
     j = (RANK + FIRST + tl.program_id(1)) % P
     _tail_tile(tl.program_id(0), j, tl.load(epoch_ptr), x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr,
-               fs_ptr, table_ptr, n, seg, groups, slot, scale_off, zero_off, flags_off, tiles,
+               fs_ptr, table_ptr, n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, stride,
                timeout, eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, VT, BITS, QUANT,
                QMAX, PF, COMP, SCALED, OUTPUT, USE_TIMER, ADD, OUTLIER)
 
@@ -508,7 +552,7 @@ def _ticket_item(k, tiles, lag, RANK: tl.constexpr, P: tl.constexpr, FIRST: tl.c
 @triton.jit
 def reduce_tail_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, epoch_ptr, table_ptr,
                        ticket_ptr,
-                       n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
+                       n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, stride, timeout,
                        lag, eta, a, oma, b1, omb1, b2, omb2,
                        RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr,
                        BG: tl.constexpr, SG: tl.constexpr, GS: tl.constexpr,
@@ -519,9 +563,9 @@ def reduce_tail_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, epoch_ptr,
                        OUTLIER: tl.constexpr):
     """Reduce and tail in one launch, overlapped: grid ((NT+1) x tiles,) with NT = P - OWN_Y
     tails per tile, one work item per program, taken in ticket order (`_ticket_item`) from a
-    per-rank counter that only grows (ticket = counter++ mod (NT+1) tiles: exactly one per
-    program, so each call starts at 0). ticket_ptr [2]: one counter per NT (OWN_Y or not), so
-    calls with different NT on one workspace never shift each other's start.
+    per-rank counter (ticket = counter++: exactly one per program; the last program to finish
+    sets it back to 0 for the next call, whatever its tile count). ticket_ptr [3]: the
+    counters for NT = P and P-1 (OWN_Y or not), then the departure count (`_depart`).
     Tickets, not program ids, set the order, so a waiting program's producers hold lower
     tickets and are running or done whatever order the GPU starts programs in. Equivalent to
     reduce_kernel then tail_kernel (ADD: both store residual + y); the tails of early tiles
@@ -533,19 +577,20 @@ def reduce_tail_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, epoch_ptr,
     ep = tl.load(epoch_ptr)
     if is_reduce:
         _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_ptr,
-                     n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
+                     n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, stride, timeout,
                      eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, VT, BITS, QUANT,
                      LEVELS, QMAX, COMP, SCALED, LOCAL, USE_TIMER, OWN_Y, ADD, 0, OUTLIER)
     else:
         _tail_tile(t, j, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_ptr,
-                   n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
+                   n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, stride, timeout,
                    eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, VT, BITS, QUANT,
                    QMAX, PF, COMP, SCALED, OUTPUT, USE_TIMER, ADD, OUTLIER)
+    _depart(ticket_ptr + 2, tl.num_programs(0), ticket_ptr + FIRST, 0)
 
 
 @triton.jit
 def fused_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, epochs_ptr, table_ptr,
-                 n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
+                 n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, stride, timeout,
                  eta, a, oma, b1, omb1, b2, omb2,
                  RANK: tl.constexpr, P: tl.constexpr, X_KIND: tl.constexpr, BG: tl.constexpr,
                  SG: tl.constexpr, GS: tl.constexpr, VT: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
@@ -567,24 +612,25 @@ def fused_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, epochs_ptr, tabl
     running or done (no deadlock when not all G are resident); by the time it reduces its
     first tile, its peers pushed their whole share, so the
     flag latency is paid about once per stage, not per tile. Programs in different stages
-    overlap. Epochs are per program (epochs_ptr[c], bumped here: no host launch per call;
-    graph replays advance them too); a flag of tile t is only ever set by and waited for
-    with program (t mod G)'s epoch."""
+    overlap. epochs_ptr [2]: the workspace's epoch (the stage kernels' too) and a departure
+    count: every program runs with epoch + 1, and the last one to finish stores it (`_depart`;
+    no host launch per call, graph replays advance it too), so calls of any tile count and
+    form share one workspace and its flags only grow."""
     c = tl.program_id(0)
     G = tl.num_programs(0)
-    ep = tl.load(epochs_ptr + c) + 1
+    ep = tl.load(epochs_ptr, volatile=True) + 1
     t = c                                                  # t = c, c+G, ... < tiles
     while t < tiles:
         for i in tl.static_range(P - 1):
             _entry_tile(t, (RANK + 1 + i) % P, ep, x_ptr, m1_ptr, m2_ptr, fs_ptr,
                         table_ptr, n, seg, groups, slot, scale_off, zero_off, flags_off,
-                        tiles, eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, VT,
+                        tiles, stride, eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, VT,
                         BITS, QUANT, LEVELS, QMAX, COMP, SCALED, LOCAL, OUTLIER)
         t += G
     t = c
     while t < tiles:
         _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_ptr,
-                     n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, timeout,
+                     n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, stride, timeout,
                      eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, VT, BITS, QUANT,
                      LEVELS, QMAX, COMP, SCALED, LOCAL, USE_TIMER, False, False, 0, OUTLIER)
         t += G
@@ -593,9 +639,8 @@ def fused_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, epochs_ptr, tabl
         for i in tl.static_range(P):
             _tail_tile(t, (RANK + i) % P, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr,
                        table_ptr, n, seg, groups, slot, scale_off, zero_off, flags_off,
-                       tiles, timeout, eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND,
+                       tiles, stride, timeout, eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND,
                        BG, SG, GS, VT, BITS, QUANT, QMAX, PF, COMP, SCALED, OUTPUT, USE_TIMER, ADD,
                        OUTLIER)
         t += G
-    tl.debug_barrier()
-    tl.store(epochs_ptr + c, ep)
+    _depart(epochs_ptr + 1, G, epochs_ptr, ep)

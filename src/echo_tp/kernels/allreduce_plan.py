@@ -43,12 +43,45 @@ def _align(v: int, a: int) -> int:
 
 
 @dataclass(frozen=True)
+class Room:
+    """What one workspace's buffers hold, whatever call runs on them: slots of `slot` bytes and
+    flag arrays of `tiles` tiles. Every call whose own layout fits runs on the same buffers
+    (`Layout.build(..., room=)`), so calls of any length, width and tile share one workspace
+    and their packet headers can be compared."""
+
+    slot: int
+    tiles: int
+
+    def holds(self, other: "Room") -> bool:
+        return other.slot <= self.slot and other.tiles <= self.tiles
+
+    def union(self, other: "Room") -> "Room":
+        return Room(max(self.slot, other.slot), max(self.tiles, other.tiles))
+
+    def grown(self, need: "Room") -> "Room":
+        """A room that holds this one and need, at least doubling what grows (a sequence of
+        growing calls reallocates a logarithmic number of times)."""
+        return Room(self.slot if need.slot <= self.slot else max(need.slot, 2 * self.slot),
+                    self.tiles if need.tiles <= self.tiles else max(need.tiles, 2 * self.tiles))
+
+    def flags_off(self, world_size: int) -> int:
+        return 2 * world_size * self.slot
+
+    def nbytes(self, world_size: int) -> int:
+        """Slots, then the int64 words: flags [2P][tiles], abort, call words [2P][tiles]."""
+        return self.flags_off(world_size) + 8 * _align(4 * world_size * self.tiles + 1, 32)
+
+
+@dataclass(frozen=True)
 class Layout:
-    """One rank's buffer: receive slots [P(sender)], gather slots [P(owner)], then int64 flags
-    recv [P][tiles], gath [P][tiles] and the abort word. A slot holds one segment packet:
-    codes at 0, 16-bit scale words at scale_off, fp16 zeros at zero_off, fp16 outlier words
-    (QuantSpec.outlier) at outlier_off (16-byte aligned regions in quant.to_bytes' order; the
-    kernels find outlier_off from the other two: allreduce_kernels._outlier_off)."""
+    """One call's view of one rank's buffer: receive slots [P(sender)], gather slots
+    [P(owner)], then int64 words: flags recv [P][stride], gath [P][stride], the abort word,
+    then the call words (headers) beside the flags, recv [P][stride] and gath [P][stride]. A
+    slot holds one segment packet: codes at 0, 16-bit scale words at scale_off, fp16 zeros at
+    zero_off, fp16 outlier words (QuantSpec.outlier) at outlier_off (16-byte aligned regions in
+    quant.to_bytes' order; the kernels find outlier_off from the other two:
+    allreduce_kernels._outlier_off). slot, stride, flags_off and nbytes are the room's (the
+    workspace's); seg, groups, tiles and the offsets inside a slot are the call's."""
 
     world_size: int
     seg: int
@@ -61,10 +94,22 @@ class Layout:
     outlier_off: int
     flags_off: int
     nbytes: int
+    stride: int = 0
+    """Tiles per flag array (the room's); 0: tiles."""
+
+    def __post_init__(self):
+        if self.stride == 0:
+            object.__setattr__(self, "stride", self.tiles)
+
+    @property
+    def room(self) -> Room:
+        return Room(self.slot, self.stride)
 
     @classmethod
-    def build(cls, numel: int, world_size: int, spec: QuantSpec,
-              tile_elems: int) -> "Layout":
+    def build(cls, numel: int, world_size: int, spec: QuantSpec, tile_elems: int,
+              room: Room | None = None) -> "Layout":
+        """The layout of a call of numel values in a buffer of `room` (None: the call's own
+        room, `needs`); ValueError when the call does not fit the room."""
         g = spec.group_size
         seg = -(-numel // (world_size * g)) * g              # qar.segment_len
         groups = seg // g
@@ -77,14 +122,21 @@ class Layout:
         zero_off = scale_off + words
         outlier_off = zero_off + (words if spec.has_zero else 0)
         end = outlier_off + (words if spec.outlier else 0)
-        slot = _align(end, 256)
-        flags_off = 2 * world_size * slot
-        nbytes = flags_off + 8 * _align(2 * world_size * tiles + 1, 32)
-        return cls(world_size, seg, groups, bg, tiles, slot, scale_off, zero_off, outlier_off,
-                   flags_off, nbytes)
+        need = Room(_align(end, 256), tiles)
+        room = room or need
+        if not room.holds(need):
+            raise ValueError(f"a call of {numel} values needs {need}, the workspace has {room}")
+        return cls(world_size, seg, groups, bg, tiles, room.slot, scale_off, zero_off,
+                   outlier_off, room.flags_off(world_size), room.nbytes(world_size), room.tiles)
+
+    @staticmethod
+    def needs(numel: int, world_size: int, spec: QuantSpec, tile_elems: int) -> Room:
+        """The room a call of numel values needs."""
+        return Layout.build(numel, world_size, spec, tile_elems).room
 
     def flag_words(self, buf: torch.Tensor) -> torch.Tensor:
-        """The int64 flag words (recv, gath, abort) of a rank's uint8 buffer."""
+        """The int64 words after the slots (flags, abort word, call words) of a rank's uint8
+        buffer."""
         return buf[self.flags_off:self.nbytes].view(torch.int64)
 
     def packet(self, buf: torch.Tensor, region: int, idx: int, spec: QuantSpec) -> Packet:
@@ -118,7 +170,8 @@ def _static_args(lay: Layout, cfg: EchoConfig, rank: int, dtype: torch.dtype, co
     call (its residual is always the own rounding errors)."""
     spec = cfg.quant_spec()
     k = CompensatorConstants.from_config(cfg)
-    scal = (lay.seg, lay.groups, lay.slot, lay.scale_off, lay.zero_off, lay.flags_off, lay.tiles)
+    scal = (lay.seg, lay.groups, lay.slot, lay.scale_off, lay.zero_off, lay.flags_off, lay.tiles,
+            lay.stride)
     consts = (k.eta, k.a, k.one_minus_a, k.beta1, k.one_minus_beta1, k.beta2, k.one_minus_beta2)
     ce = spec_constexprs(spec)
     sg = min(lay.bg, max(1, step_elems // spec.group_size))
@@ -157,8 +210,9 @@ class CallPlan:
     x: torch.Tensor               # [n] bf16/fp16/fp32, contiguous
     state: CompState | None       # m1, m2 [n] fp32 or bf16 (m2 may be m1), updated in place
     fs: torch.Tensor | None       # [1] fp32 backward scale factor 2^e, or None
-    epoch: torch.Tensor           # [1] int64, already bumped for this call (stage kernels);
-                                  # [G] int64 per-program epochs (fused kernel)
+    epoch: torch.Tensor           # int64 [2]: the workspace's epoch, already bumped for this
+                                  # call (stage kernels; [1] is enough for them), then the
+                                  # fused kernel's departure count (it bumps the epoch itself)
     table: torch.Tensor           # [P+1] int64: the P buffers, then the error record
     timeout: int
     use_timer: bool
@@ -277,8 +331,8 @@ class CallPlan:
                     **self._stages()))
 
     def fused(self, y: torch.Tensor, programs: int) -> None:
-        """The whole call in one launch of `programs` programs (<= epoch.numel(); the same on
-        every rank of a workspace, for its whole life; the all-reduce)."""
+        """The whole call in one launch of min(programs, tiles) programs (programs: the same
+        on every rank; the all-reduce)."""
         self._check_half(None)
         ptrs, scal, consts, meta, per = self._parts
         grid = max(1, min(programs, self.lay.tiles))

@@ -13,7 +13,9 @@ an earlier call can never satisfy a later one.
                          word is set; returns False on timeout, after writing the error record
 
 Error record: int64 words at an address the host can read without a device sync (pinned host
-memory, reached through unified addressing): [set, rank, stage, tile, peer, seen, wanted].
+memory, reached through unified addressing): [set, rank, stage, tile, peer, seen, wanted]; a
+timeout (stages 1-3: seen/wanted are flag values) or a call mismatch (stages 4-5: the peer's
+call word and this rank's, `call_word` / `same_call`).
 The rank's abort word (device memory) is claimed with a CAS, so one record is written and every
 other wait of that rank stops at once; the host raises at its next call (`check_error`).
 """
@@ -23,10 +25,15 @@ import torch
 import triton
 import triton.language as tl
 
+from .quant_kernels import DTYPE_KIND, QUANT_CODE
+
 ERR_WORDS = 8
 STAGES = {1: "reduce: waiting for a sender's segment packet",
           2: "tail: waiting for an owner's reduced packet",
           3: "one-shot: waiting for a peer's input tile"}
+MISMATCH_STAGES = {4: "reduce: a sender's packet header names another call",
+                   5: "tail: an owner's packet header names another call"}
+"""Stages whose record is a call mismatch (seen: the peer's call word, wanted: this rank's)."""
 POLL_NS = 500
 """Assumed cost of one poll when %globaltimer is not used: the timeout becomes a poll count."""
 
@@ -69,19 +76,50 @@ def wait_geq(flag_ptr, wanted, abort_ptr, err_ptr, rank, stage, tile, peer, time
         go = (seen < wanted) & (elapsed < timeout) & (aborted == 0)
     ok = seen >= wanted
     if seen < wanted:
-        zero64 = tl.zeros([], tl.int64)
-        first = tl.atomic_cas(abort_ptr, zero64, zero64 + 1, sem="relaxed", scope="gpu")
-        if first == 0:
-            tl.store(err_ptr + 1, zero64 + rank)
-            tl.store(err_ptr + 2, zero64 + stage)
-            tl.store(err_ptr + 3, zero64 + tile)
-            tl.store(err_ptr + 4, zero64 + peer)
-            tl.store(err_ptr + 5, zero64 + seen)
-            tl.store(err_ptr + 6, zero64 + wanted)
-            tl.debug_barrier()
-            tl.atomic_xchg(err_ptr, zero64 + 1, sem="release", scope="sys")
+        record_error(abort_ptr, err_ptr, rank, stage, tile, peer, seen, wanted)
     tl.debug_barrier()
     return ok
+
+
+@triton.jit
+def record_error(abort_ptr, err_ptr, rank, stage, tile, peer, seen, wanted):
+    """Claim this rank's abort word (every wait of the rank stops at once); the first claim
+    writes the error record [1, rank, stage, tile, peer, seen, wanted]."""
+    zero64 = tl.zeros([], tl.int64)
+    first = tl.atomic_cas(abort_ptr, zero64, zero64 + 1, sem="relaxed", scope="gpu")
+    if first == 0:
+        tl.store(err_ptr + 1, zero64 + rank)
+        tl.store(err_ptr + 2, zero64 + stage)
+        tl.store(err_ptr + 3, zero64 + tile)
+        tl.store(err_ptr + 4, zero64 + peer)
+        tl.store(err_ptr + 5, zero64 + seen)
+        tl.store(err_ptr + 6, zero64 + wanted)
+        tl.debug_barrier()
+        tl.atomic_xchg(err_ptr, zero64 + 1, sem="release", scope="sys")
+
+
+@triton.jit
+def call_word(n, GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
+              OUTLIER: tl.constexpr, X_KIND: tl.constexpr):
+    """The header a sender writes beside each flag: the call's length n and packet width as one
+    int64, ((n * 2^16 + GS) * 2^6 + BITS) * 2^8 + QUANT * 16 + OUTLIER * 8 + X_KIND (`call_word`
+    on the host; `describe_call` reads it back)."""
+    w = (tl.zeros([], tl.int64) + n) * 65536 + GS
+    return (w * 64 + BITS) * 256 + QUANT * 16 + OUTLIER * 8 + X_KIND
+
+
+@triton.jit
+def same_call(hdr_ptr, mine, ok, abort_ptr, err_ptr, rank, stage, tile, peer):
+    """After a wait (ok: it saw its flag): the peer's call word at hdr_ptr, written before that
+    flag, against this rank's (mine). A different word records (stage, tile, peer, seen = the
+    peer's word, wanted = mine) and aborts this rank. Returns ok and the words equal."""
+    seen = tl.load(hdr_ptr, volatile=True)
+    same = seen == mine
+    if ok:
+        if seen != mine:
+            record_error(abort_ptr, err_ptr, rank, stage, tile, peer, seen, mine)
+    tl.debug_barrier()
+    return ok & same
 
 
 @triton.jit
@@ -118,16 +156,42 @@ def new_error_buffer(device_is_cuda: bool) -> torch.Tensor:
 
 
 def raise_if_set(err: torch.Tensor, err_np) -> None:
-    """Raise the recorded timeout, if any (err_np: a numpy view of err, read without a sync)."""
+    """Raise the recorded error, if any (err_np: a numpy view of err, read without a sync): a
+    ValueError for a call mismatch, a RuntimeError for a timeout."""
     if err_np[0] != 0:
-        raise RuntimeError(describe_error(err))
+        raise (ValueError if int(err_np[2]) in MISMATCH_STAGES else RuntimeError)(
+            describe_error(err))
+
+
+def host_call_word(n: int, group_size: int, bits: int, quant: int, outlier: bool,
+                   x_kind: int) -> int:
+    """`call_word` on the host (what a rank's kernels write for this call)."""
+    return (((n << 16) + group_size) * 64 + bits) * 256 + quant * 16 + int(outlier) * 8 + x_kind
+
+
+def describe_call(word: int) -> str:
+    """A call word -> 'N values, B-bit packets (group G, quantizer Q[, outlier]), dtype D'."""
+    kinds = {v: str(k).removeprefix("torch.") for k, v in DTYPE_KIND.items()}
+    quants = {v: k for k, v in QUANT_CODE.items()}
+    low, rest = word & 255, word >> 8
+    bits, rest = rest & 63, rest >> 6
+    gs, n = rest & 65535, rest >> 16
+    q, outlier, xk = low >> 4, (low >> 3) & 1, low & 7
+    return (f"{n} values, {bits}-bit packets (group {gs}, {quants.get(q, q)}"
+            f"{', outlier word' if outlier else ''}), {kinds.get(xk, xk)}")
 
 
 def describe_error(err: torch.Tensor) -> str | None:
-    """The host-readable error record -> a message, or None when no wait timed out."""
+    """The host-readable error record -> a message, or None when nothing was recorded."""
     if int(err[0]) == 0:
         return None
     rank, stage, tile, peer, seen, wanted = (int(v) for v in err[1:7])
+    if stage in MISMATCH_STAGES:
+        return (f"echo-tp p2p: collective calls differ across ranks: rank {rank} called "
+                f"{describe_call(wanted)}, rank {peer} called {describe_call(seen)} (stage "
+                f"{stage}: {MISMATCH_STAGES[stage]}, tile {tile}). Every rank must make the same "
+                f"calls in the same order; the mismatched call's output is NaN where it "
+                f"failed. The p2p workspace is unusable now: rebuild the communicator.")
     what = STAGES.get(stage, f"stage {stage}")
     return (f"echo-tp p2p: rank {rank} timed out in stage {stage} ({what}) on tile {tile}, "
             f"peer {peer}: flag is {seen}, wanted {wanted}. A peer rank is stalled, crashed, or "
