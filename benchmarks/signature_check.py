@@ -1,8 +1,11 @@
 """What the ranks' call agreement costs a call (agreement.Agreement.check; on CPU also the in-band
-length check, collective/inband.py), on gloo.
+length check, collective/inband.py; on GPUs the p2p and one-shot kernels' packet headers), on
+gloo or (--backend nccl, one GPU a rank) NCCL.
 
     python benchmarks/signature_check.py --world 2 --lengths 1000 --out serve.json   # serving
     python benchmarks/signature_check.py --world 2 --numel 1024 65536 --out s.json   # per size
+    python benchmarks/signature_check.py --backend nccl --world 2 --lengths 1000 --hidden 4096 \
+        --configs echo4 --out serve-gpu.json      # GPUs: one-shot, NCCL and p2p routes by size
 
 --lengths N, serving: partials [tokens, --hidden] for N distinct token counts (1..N, in a seeded
 random order, as prefill lengths arrive), one call each in a forward pass of its own: pass "new";
@@ -61,13 +64,19 @@ def _kept(comm) -> dict:
     return out
 
 
-def _serve(rank, world_size, lengths, hidden, configs, seed, paired):
+def _serve(rank, world_size, lengths, hidden, configs, seed, paired, cuda=False):
     from echo_tp import EchoCommunicator, EchoConfig
     counter = _Counter()
     order = list(range(1, lengths + 1))
     random.Random(seed).shuffle(order)
     gen = torch.Generator().manual_seed(seed + rank)
-    xs = [torch.randn(t, hidden, generator=gen) for t in order]
+    dev = "cpu"
+    if cuda:
+        torch.cuda.set_device(rank)
+        dev = f"cuda:{rank}"
+    xs = [torch.randn(t, hidden, generator=gen).to(dev, torch.bfloat16 if cuda else None)
+          for t in order]
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     rows = []
     for name in configs:
         comm = EchoCommunicator.from_group(None, EchoConfig.from_name(name))
@@ -76,12 +85,19 @@ def _serve(rank, world_size, lengths, hidden, configs, seed, paired):
             counter.count = 0
             times = []
             t0 = time.perf_counter()
+            routes: dict = {}
             for x in xs:
                 t = time.perf_counter()
                 comm.new_pass("forward")                     # a request's forward pass
                 comm.all_reduce(x)
+                sync()
                 times.append((time.perf_counter() - t) * 1e3)
-            rows.append({"config": name, "pass": phase, "calls": len(xs),
+                backend = comm.dispatcher.last_backend
+                routes[backend] = routes.get(backend, 0) + 1
+            if cuda:
+                for b in comm.dispatcher.backends.values():
+                    getattr(b, "check_error", lambda: None)()
+            rows.append({"config": name, "pass": phase, "calls": len(xs), "routes": routes,
                          "seconds": time.perf_counter() - t0,
                          "median_ms": statistics.median(times),
                          "mean_ms": statistics.fmean(times), "checks": counter.count,
@@ -141,6 +157,8 @@ def _sizes(rank, world_size, sizes, iters):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=2)
+    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
+                   help="nccl: one GPU a rank, bf16 partials (serving only)")
     p.add_argument("--lengths", type=int, default=None, help="serving: N distinct lengths")
     p.add_argument("--hidden", type=int, default=64, help="serving: values per token")
     p.add_argument("--configs", nargs="+", default=["echo4", "16"], help="serving: presets")
@@ -157,7 +175,7 @@ def main() -> None:
               "torch": torch.__version__, "echo_tp": str(echo_tp.__file__)}
     if a.lengths:
         rows = run_ranks(a.world, _serve, a.lengths, a.hidden, a.configs, a.seed, a.paired,
-                         timeout=3600.0)[0]
+                         a.backend == "nccl", timeout=3600.0, backend=a.backend)[0]
         for r in rows:
             if r["pass"] == "paired":
                 print(f"{r['config']:>6} paired: in-band {r['inband_median_ms']:7.3f} ms, bare "
@@ -166,8 +184,9 @@ def main() -> None:
                 continue
             print(f"{r['config']:>6} {r['pass']:>4}: {r['calls']} calls {r['seconds']:7.2f} s  "
                   f"median {r['median_ms']:7.3f} ms  mean {r['mean_ms']:7.3f} ms  "
-                  f"checks {r['checks']:5d}  kept {r['kept']}")
-        record.update(lengths=a.lengths, hidden=a.hidden, seed=a.seed, rows=rows)
+                  f"checks {r['checks']:5d}  kept {r['kept']}  routes {r['routes']}")
+        record.update(lengths=a.lengths, hidden=a.hidden, seed=a.seed, backend=a.backend,
+                      rows=rows)
     else:
         rows = run_ranks(a.world, _sizes, a.numel, a.iters, timeout=1800.0)[0]
         for r in rows:

@@ -188,3 +188,52 @@ def test_decode_boundary_unfit_reasons():
                                              torch.zeros(16, 256, dtype=torch.bfloat16), w, lay)
     assert "residual" in ok.add_rmsnorm_unfit(x, x.float(), w, lay)
     assert "rows of 0" in ok.add_rmsnorm_unfit(torch.zeros(4, 0), torch.zeros(4, 0), w, lay)
+
+
+# (what differs, per rank: (n, dtype)); 'form': rank 1 runs the decode boundary (rows x H = n)
+ONESHOT_MISMATCHES = {"length": [(5000, torch.bfloat16), (3000, torch.bfloat16)],
+                      "dtype": [(3000, torch.bfloat16), (3000, torch.float16)],
+                      "one of three": [(2048, torch.float16)] * 2 + [(2049, torch.float16)],
+                      "form": [(4 * 512, torch.bfloat16), (4 * 512, torch.bfloat16)]}
+
+
+@pytest.mark.parametrize("what", list(ONESHOT_MISMATCHES))
+def test_oneshot_ranks_whose_calls_differ_fail_on_every_rank(what):
+    """P ranks in one process (push of every rank, then the sums) whose calls differ: every
+    rank records the mismatch (stage 6) naming both call words, raise_if_set raises
+    ValueError, and the outputs are NaN (y; residual_out and normed of the boundary)."""
+    from echo_tp.kernels.flags import describe_call, raise_if_set
+    calls = ONESHOT_MISMATCHES[what]
+    P, programs = len(calls), 2
+    lay = ok.OneShotLayout.build(P, CAP)
+    bufs = [torch.randint(0, 256, (lay.nbytes,), dtype=torch.uint8) for _ in range(P)]
+    for b in bufs:
+        lay.flag_words(b).zero_()
+    errs = [torch.zeros(8, dtype=torch.int64) for _ in range(P)]
+    tables = [torch.tensor([b.data_ptr() for b in bufs] + [errs[r].data_ptr()])
+              for r in range(P)]
+    epochs = [torch.zeros(programs, dtype=torch.int64) for _ in range(P)]
+    xs = [torch.randn(n).to(dt) for n, dt in calls]
+    outs = [torch.zeros_like(x) for x in xs]
+    res, w = torch.randn(4, 512).to(torch.bfloat16), torch.randn(512).to(torch.bfloat16)
+    boundary = [what == "form" and r == 1 for r in range(P)]
+    normed = {}
+    for phases in (1, 2):
+        for r in range(P):
+            kw = dict(rank=r, lay=lay, epochs=epochs[r], table=tables[r], timeout=50,
+                      use_timer=False, phases=phases)
+            if boundary[r]:
+                normed[r], outs[r] = ok.oneshot_add_rmsnorm(xs[r].view(4, 512), res, w, 1e-5,
+                                                            **kw)
+            else:
+                ok.oneshot(xs[r], outs[r], **kw)
+    for r in range(P):
+        rank, stage, tile, peer, seen, wanted = errs[r][1:7].tolist()
+        assert errs[r][0] == 1 and rank == r and stage == 6 and seen != wanted, errs[r]
+        msg = describe_error(errs[r])
+        assert f"rank {r} called {describe_call(wanted)}" in msg, msg
+        assert f"rank {peer} called {describe_call(seen)}" in msg, msg
+        assert ("decode boundary" in msg) == (what == "form"), msg
+        with pytest.raises(ValueError, match="collective calls differ"):
+            raise_if_set(errs[r], errs[r].numpy())
+        assert outs[r].isnan().all() and (r not in normed or normed[r].isnan().all()), r

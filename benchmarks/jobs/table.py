@@ -392,6 +392,27 @@ timeout $BENCH_S python3 benchmarks/allreduce.py --world 2 --out $OUT --iters 50
   --budget-s $(( BENCH_S - 40 )) --methods $METHODS > $OUT/ar.log 2>&1
 echo "allreduce rc=$? in $(( $(date +%s) - T0 )) s"; grep -v "^#loc" $OUT/ar.log | grep -A 16 "^### P=2"; grep ERROR $OUT/ar.log | head -5
 """),
+    Job(name="header-x2", kind="nvidia-h200-x2", seconds=480,
+        about="two GPUs: every call's length and width in its packet header (tests/"
+              "test_p2p_gpu.py -k 'header or soak': 1,000 lengths on one workspace, a "
+              "mismatch refused on both ranks), then the serving benchmark: LENGTHS distinct "
+              "prefill lengths through the communicator (one-shot, NCCL and p2p routes by size; "
+              "benchmarks/signature_check.py --backend nccl): agreements and ms per call, new "
+              "lengths against seen ones",
+        knobs={"LENGTHS": "1000", "HIDDEN": "4096", "CONFIGS": "echo4 4", "SOAK": "20000"},
+        records=("2026-12-05-defined-answers-3.md",), keep=("serve.log",),
+        script=r"""
+export ECHO_FLAG_TIMEOUT_S=20
+record_env "$OUT"
+T0=$(date +%s)
+ECHO_SOAK_CALLS=$SOAK timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_p2p_gpu.py \
+  -k "header or soak" > "$OUT/pytest_header.txt" 2>&1
+echo "pytest rc=$? in $(( $(date +%s) - T0 )) s"; grep -v "^#loc" "$OUT/pytest_header.txt" | tail -6
+T0=$(date +%s)
+timeout 150 python3 benchmarks/signature_check.py --backend nccl --world 2 --lengths "$LENGTHS" \
+  --hidden "$HIDDEN" --configs $CONFIGS --out "$OUT/serve.json" > "$OUT/serve.log" 2>&1
+echo "serve rc=$? in $(( $(date +%s) - T0 )) s"; tail -6 "$OUT/serve.log"
+"""),
     Job(name="e2e-x2", kind="nvidia-h200-x2", seconds=400,
         about="end to end at TP=2 (benchmarks/e2e.py: Llama-3-8B / Qwen3-8B shapes, random "
               "weights): prefill and training step, idle and under background load, the time "

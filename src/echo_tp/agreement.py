@@ -10,16 +10,17 @@ runs before any packet moves:
     transport's CallLengthMismatch into the ValueError naming every rank's call, before
     anything is returned. A call whose rows are wider than any before pays one 3-integer
     agreement (inband.py);
-  * CUDA calls on the p2p kernels (`carried`) agree on the fixed part once, like the CPU
-    calls: their packets carry the call's length and width in a header beside each flag, and
-    every kernel that receives a packet compares it with its own call on the GPU (no host
-    sync); ranks that differ get an error record on every rank, NaN outputs for that call and
-    a ValueError naming both calls at their next call on the backend (or at `check_error()`;
-    collective/p2p.py). What the header cannot see: calls that take different kinds of
-    workspace (an all-reduce on one rank, a half on another) or a call that grows the
-    workspace on one rank only; those time out in the kernels, naming rank and stage;
-  * other CUDA calls (NCCL's plain and one-shot 16-bit routes: NCCL checks nothing and
-    carries no header) and 16-bit calls agree on each new whole signature once,
+  * CUDA calls on the p2p and one-shot kernels (`carried`) agree on the fixed part once, like
+    the CPU calls: their packets carry the call's length and width in a header beside each
+    flag, and every kernel that receives a packet compares it with its own call on the GPU
+    (no host sync); ranks that differ get an error record on every rank, NaN outputs for that
+    call and a ValueError naming both calls at their next call on the backend (or at
+    `check_error()`; collective/p2p.py, kernels/oneshot_kernels.py). What the header cannot
+    see: calls that take different buffers (a p2p call on one rank, a one-shot or NCCL call
+    on another; an all-reduce against a half) or a p2p call that grows the workspace on one
+    rank only; those time out in the kernels, naming rank and stage;
+  * other CUDA calls (NCCL's plain route: NCCL checks nothing and carries no header) and the
+    16-bit CPU collectives agree on each new whole signature once,
     remembering at most MAX_CHECKED of them, the least recently used dropped first (every
     rank forgets the same one);
   * ECHO_DEBUG_CHECKS=1 agrees on the whole signature on every call. The default cannot tell

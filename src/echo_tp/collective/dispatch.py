@@ -166,12 +166,13 @@ class Dispatcher:
 
     def carries_call(self, x, cfg, kind: str = "all_reduce", state=None,
                      record: bool = False) -> bool:
-        """Whether this call runs on the p2p kernels, whose packets carry the call's length and
-        width (the kernels that receive them compare them with their own: collective/p2p.py),
-        so the ranks need no host check of its length."""
+        """Whether this call runs on the p2p or one-shot kernels, whose packets carry the call's
+        length and width (the kernels that receive them compare them with their own:
+        collective/p2p.py, kernels/oneshot_kernels.py), so the ranks need no host check of its
+        length."""
         if record or not x.is_cuda or self._only is not None:
             return False
-        return self._backend(x, cfg, kind, state)[0].name == "p2p"
+        return self._backend(x, cfg, kind, state)[0].name in ("p2p", "oneshot")
 
     def adds_residual(self, x, cfg) -> bool:
         """Whether the call's backend takes `run(residual=...)` (adds it where y is decoded)."""

@@ -266,6 +266,12 @@ class P2PBackend(Backend):
         grown to hold all of them (at least doubling what grows), the new buffers allocated
         (a collective) and the old ones kept alive (CUDA graphs captured on them replay)."""
         kind = allreduce_plan.HALF_CODES[half]
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"echo-tp p2p: a {_KIND_NAMES[kind]} call needs {need}, more than the "
+                f"workspace holds ({old.room if old is not None else 'none yet'}), inside CUDA "
+                "graph capture; growing it needs an agreement across ranks and a new buffer. "
+                "Make one eager call of the largest size before capturing.")
         got = self.transport.all_gather_ints([kind, need.slot, need.tiles], device=self.device,
                                              stage="p2p workspace agreement")
         if any(g[0] != kind for g in got):

@@ -32,7 +32,8 @@ STAGES = {1: "reduce: waiting for a sender's segment packet",
           2: "tail: waiting for an owner's reduced packet",
           3: "one-shot: waiting for a peer's input tile"}
 MISMATCH_STAGES = {4: "reduce: a sender's packet header names another call",
-                   5: "tail: an owner's packet header names another call"}
+                   5: "tail: an owner's packet header names another call",
+                   6: "one-shot: a peer's tile header names another call"}
 """Stages whose record is a call mismatch (seen: the peer's call word, wanted: this rank's)."""
 POLL_NS = 500
 """Assumed cost of one poll when %globaltimer is not used: the timeout becomes a poll count."""
@@ -54,6 +55,23 @@ def signal(flag_ptr, value):
     """Make this CTA's earlier stores visible, then set *flag_ptr = value (release, system)."""
     tl.debug_barrier()
     tl.atomic_xchg(flag_ptr, value, sem="release", scope="sys")
+
+
+@triton.jit
+def record_error(abort_ptr, err_ptr, rank, stage, tile, peer, seen, wanted):
+    """Claim this rank's abort word (every wait of the rank stops at once); the first claim
+    writes the error record [1, rank, stage, tile, peer, seen, wanted]."""
+    zero64 = tl.zeros([], tl.int64)
+    first = tl.atomic_cas(abort_ptr, zero64, zero64 + 1, sem="relaxed", scope="gpu")
+    if first == 0:
+        tl.store(err_ptr + 1, zero64 + rank)
+        tl.store(err_ptr + 2, zero64 + stage)
+        tl.store(err_ptr + 3, zero64 + tile)
+        tl.store(err_ptr + 4, zero64 + peer)
+        tl.store(err_ptr + 5, zero64 + seen)
+        tl.store(err_ptr + 6, zero64 + wanted)
+        tl.debug_barrier()
+        tl.atomic_xchg(err_ptr, zero64 + 1, sem="release", scope="sys")
 
 
 @triton.jit
@@ -79,23 +97,6 @@ def wait_geq(flag_ptr, wanted, abort_ptr, err_ptr, rank, stage, tile, peer, time
         record_error(abort_ptr, err_ptr, rank, stage, tile, peer, seen, wanted)
     tl.debug_barrier()
     return ok
-
-
-@triton.jit
-def record_error(abort_ptr, err_ptr, rank, stage, tile, peer, seen, wanted):
-    """Claim this rank's abort word (every wait of the rank stops at once); the first claim
-    writes the error record [1, rank, stage, tile, peer, seen, wanted]."""
-    zero64 = tl.zeros([], tl.int64)
-    first = tl.atomic_cas(abort_ptr, zero64, zero64 + 1, sem="relaxed", scope="gpu")
-    if first == 0:
-        tl.store(err_ptr + 1, zero64 + rank)
-        tl.store(err_ptr + 2, zero64 + stage)
-        tl.store(err_ptr + 3, zero64 + tile)
-        tl.store(err_ptr + 4, zero64 + peer)
-        tl.store(err_ptr + 5, zero64 + seen)
-        tl.store(err_ptr + 6, zero64 + wanted)
-        tl.debug_barrier()
-        tl.atomic_xchg(err_ptr, zero64 + 1, sem="release", scope="sys")
 
 
 @triton.jit
@@ -170,13 +171,17 @@ def host_call_word(n: int, group_size: int, bits: int, quant: int, outlier: bool
 
 
 def describe_call(word: int) -> str:
-    """A call word -> 'N values, B-bit packets (group G, quantizer Q[, outlier]), dtype D'."""
+    """A call word -> 'N values, B-bit packets (group G, quantizer Q[, outlier word]), dtype'
+    (16 bits: 'N values, 16-bit one-shot FORM, dtype')."""
     kinds = {v: str(k).removeprefix("torch.") for k, v in DTYPE_KIND.items()}
     quants = {v: k for k, v in QUANT_CODE.items()}
     low, rest = word & 255, word >> 8
     bits, rest = rest & 63, rest >> 6
     gs, n = rest & 65535, rest >> 16
     q, outlier, xk = low >> 4, (low >> 3) & 1, low & 7
+    if bits == 16:                                     # a one-shot call (oneshot_kernels._word)
+        form = "decode boundary (add + RMSNorm)" if q else "all-reduce"
+        return f"{n} values, 16-bit one-shot {form}, {kinds.get(xk, xk)}"
     return (f"{n} values, {bits}-bit packets (group {gs}, {quants.get(q, q)}"
             f"{', outlier word' if outlier else ''}), {kinds.get(xk, xk)}")
 

@@ -26,6 +26,11 @@ normalized where it is (norm.add_rmsnorm_reference of oneshot_reference's y, bit
 i.e. the all-reduce and kernels/norm_kernels.rmsnorm_kernel (ADD) in one launch, y never
 written or read back.
 
+Header: beside each flag the sender writes its call word (flags.call_word of a 16-bit call:
+the numel, the input dtype, the form), and every wait compares it with its own call's; ranks
+whose calls differ record the mismatch (stage 6) and abort, their y (residual_out and normed)
+is NaN where a refused tile was summed, and the backend raises a ValueError at its next call.
+
 PHASES (both kernels): 3 is the call; 1 only the push (bumping the epochs) and 2 only the sum
 (at the epochs the push left), so P ranks simulated in one stream (tests, one-GPU timing) run
 push(every rank), then sum(every rank), and every wait finds its flag set.
@@ -48,7 +53,7 @@ import triton.language as tl
 from ..norm_reference import LANES, MAX_HIDDEN, add_rmsnorm_reference
 from .allreduce_kernels import _buffer
 from .launcher import launch
-from .flags import gated, signal, wait_geq
+from .flags import call_word, same_call, signal, wait_geq
 from .norm_kernels import _as_f32, _inv_rms, _normalize_row
 from .quant_kernels import DTYPE_KIND, _cast_out, _load_f32
 
@@ -82,38 +87,63 @@ def _epoch(epochs_ptr, c, PHASES: tl.constexpr):
 
 
 @triton.jit
-def _push(x_ptr, e, m, t, ep, table_ptr, slot, flags_off, max_tiles, RANK: tl.constexpr,
+def _word(n, FORM: tl.constexpr, X_KIND: tl.constexpr):
+    """The call word a one-shot call writes beside its flags (flags.call_word of a 16-bit call:
+    n values, FORM 0 the all-reduce, 1 the decode boundary, in the quantizer field)."""
+    return call_word(n, 0, 16, FORM, 0, X_KIND)
+
+
+@triton.jit
+def _signal_peer(peer, t, ep, word, flags_off, max_tiles, RANK: tl.constexpr, P: tl.constexpr):
+    """Write this call's word beside peer's flag [RANK][t], then set the flag to ep (after this
+    CTA's pushes)."""
+    flags = (peer + flags_off).to(tl.pointer_type(tl.int64))
+    tl.store(flags + P * max_tiles + 1 + RANK * max_tiles + t, word)     # headers [P][tiles]
+    signal(flags + RANK * max_tiles + t, ep)
+
+
+@triton.jit
+def _push(x_ptr, e, m, t, ep, word, table_ptr, slot, flags_off, max_tiles, RANK: tl.constexpr,
           P: tl.constexpr, X_KIND: tl.constexpr, SIGNAL: tl.constexpr):
-    """Store x at element ids e into every peer's slot [epoch parity][RANK]; SIGNAL: then set
-    each peer's flag [RANK][t] = ep."""
+    """Store x at element ids e into every peer's slot [epoch parity][RANK]; SIGNAL: then write
+    the call word and set each peer's flag [RANK][t] = ep."""
     v = tl.load(x_ptr + e, mask=m)
     for i in tl.static_range(P - 1):
         peer = _buffer(table_ptr, (RANK + 1 + i) % P)
         tl.store(_typed(peer + ((ep % 2) * P + RANK) * slot, X_KIND) + e, v, mask=m)
         if SIGNAL:
-            signal((peer + flags_off).to(tl.pointer_type(tl.int64)) + RANK * max_tiles + t, ep)
+            _signal_peer(peer, t, ep, word, flags_off, max_tiles, RANK, P)
 
 
 @triton.jit
-def _signal_peers(t, ep, table_ptr, flags_off, max_tiles, RANK: tl.constexpr, P: tl.constexpr):
-    """Set every peer's flag [RANK][t] = ep (after this CTA's pushes)."""
+def _signal_peers(t, ep, word, table_ptr, flags_off, max_tiles, RANK: tl.constexpr,
+                  P: tl.constexpr):
+    """Write the call word and set every peer's flag [RANK][t] = ep (after this CTA's
+    pushes)."""
     for i in tl.static_range(P - 1):
-        peer = _buffer(table_ptr, (RANK + 1 + i) % P)
-        signal((peer + flags_off).to(tl.pointer_type(tl.int64)) + RANK * max_tiles + t, ep)
+        _signal_peer(_buffer(table_ptr, (RANK + 1 + i) % P), t, ep, word, flags_off, max_tiles,
+                     RANK, P)
 
 
 @triton.jit
-def _wait_peers(t, ep, table_ptr, flags_off, max_tiles, timeout, RANK: tl.constexpr,
+def _wait_peers(t, ep, word, table_ptr, flags_off, max_tiles, timeout, RANK: tl.constexpr,
                 P: tl.constexpr, USE_TIMER: tl.constexpr):
-    """Wait until every peer's flag [s][t] in this rank's buffer reaches ep -> ok (scalar)."""
+    """Wait until every peer's flag [s][t] in this rank's buffer reaches ep, then check the
+    peer's call word against this call's (word) -> ok (scalar; False after a timeout or a
+    mismatch, both recorded)."""
     own = _buffer(table_ptr, RANK)
     flags = (own + flags_off).to(tl.pointer_type(tl.int64))       # [P][max_tiles]
+    abort = flags + P * max_tiles
     err_rec = tl.load(table_ptr + P).to(tl.pointer_type(tl.int64))
     ok = ep == ep
     for r in tl.static_range(P):
         if r != RANK:
-            ok = ok & wait_geq(flags + r * max_tiles + t, ep, flags + P * max_tiles, err_rec,
+            ok = ok & wait_geq(flags + r * max_tiles + t, ep, abort, err_rec,
                                RANK, 3, t, r, timeout, USE_TIMER)
+    for r in tl.static_range(P):
+        if r != RANK:
+            ok = same_call(abort + 1 + r * max_tiles + t, word, ok, abort, err_rec, RANK, 6, t,
+                           r)
     return ok
 
 
@@ -143,22 +173,23 @@ def oneshot_kernel(x_ptr, y_ptr, epochs_ptr, table_ptr, n, tiles, slot, flags_of
     G = tl.num_programs(0)
     ep = _epoch(epochs_ptr, c, PHASES)
     own = _buffer(table_ptr, RANK)
+    word = _word(n, 0, X_KIND)
     if PHASES != 2:
         t = c
         while t < tiles:                                           # push
             e = t.to(tl.int64) * TILE + tl.arange(0, TILE)
-            _push(x_ptr, e, e < n, t, ep, table_ptr, slot, flags_off, max_tiles, RANK, P,
-                  X_KIND, True)
+            _push(x_ptr, e, e < n, t, ep, word, table_ptr, slot, flags_off, max_tiles, RANK,
+                  P, X_KIND, True)
             t += G
     if PHASES != 1:
         t = c
         while t < tiles:                                           # sum
-            ok = _wait_peers(t, ep, table_ptr, flags_off, max_tiles, timeout, RANK, P,
+            ok = _wait_peers(t, ep, word, table_ptr, flags_off, max_tiles, timeout, RANK, P,
                              USE_TIMER)
             e = t.to(tl.int64) * TILE + tl.arange(0, TILE)
             m = e < n
             acc = _rank_sum(x_ptr, own, e, m, ep, slot, RANK, P, X_KIND)
-            tl.store(y_ptr + e, _cast_out(acc, X_KIND), mask=gated(m, ok))
+            tl.store(y_ptr + e, _cast_out(tl.where(ok, acc, float("nan")), X_KIND), mask=m)
             t += G
     if PHASES != 2:
         tl.debug_barrier()
@@ -179,21 +210,22 @@ def oneshot_add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, rout_ptr, epochs_
     ep = _epoch(epochs_ptr, c, PHASES)
     own = _buffer(table_ptr, RANK)
     lanes = tl.arange(0, L)
+    word = _word(rows * H, 1, X_KIND)
     if PHASES != 2:
         t = c
         while t < rows:                                            # push row t
             k = 0
             while k < chunks:
                 offs = k * L + lanes
-                _push(x_ptr, t.to(tl.int64) * H + offs, offs < H, t, ep, table_ptr, slot,
+                _push(x_ptr, t.to(tl.int64) * H + offs, offs < H, t, ep, word, table_ptr, slot,
                       flags_off, max_tiles, RANK, P, X_KIND, False)
                 k += 1
-            _signal_peers(t, ep, table_ptr, flags_off, max_tiles, RANK, P)
+            _signal_peers(t, ep, word, table_ptr, flags_off, max_tiles, RANK, P)
             t += G
     if PHASES != 1:
         t = c
         while t < rows:
-            ok = _wait_peers(t, ep, table_ptr, flags_off, max_tiles, timeout, RANK, P,
+            ok = _wait_peers(t, ep, word, table_ptr, flags_off, max_tiles, timeout, RANK, P,
                              USE_TIMER)
             row = t.to(tl.int64) * H
             acc = tl.zeros([L], tl.float32)
@@ -205,12 +237,14 @@ def oneshot_add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, rout_ptr, epochs_
                               X_KIND)
                 r = _cast_out(_as_f32(y, X_KIND) + _load_f32(res_ptr + row + offs, m, X_KIND),
                               X_KIND)
-                tl.store(rout_ptr + row + offs, r, mask=gated(m, ok))
+                r = tl.where(ok, r, float("nan"))          # a refused row: NaN, then normed
+                tl.store(rout_ptr + row + offs, r, mask=m)
                 v = _as_f32(r, X_KIND)
                 acc = acc + tl.where(m, v * v, 0.0)
                 k += 1
             _normalize_row(rout_ptr, w_ptr, out_ptr, row, H, chunks, _inv_rms(acc, H, eps, L),
-                           ok, X_KIND, W_KIND, O_KIND, L)   # pass 2: normalize, scale (L2-hot)
+                           ep == ep, X_KIND, W_KIND, O_KIND, L)   # pass 2: normalize, scale
+            #                                                (L2-hot; NaN rows stay NaN)
             t += G
     if PHASES != 2:
         tl.debug_barrier()
@@ -220,7 +254,8 @@ def oneshot_add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, rout_ptr, epochs_
 @dataclass(frozen=True)
 class OneShotLayout:
     """One rank's buffer: 2 parities x P sender slots of `slot` bytes, then int64 flags
-    [P][max_tiles] and the abort word. Takes messages of up to `cap_bytes` bytes per rank."""
+    [P][max_tiles], the abort word and the call words beside the flags [P][max_tiles]. Takes
+    messages of up to `cap_bytes` bytes per rank."""
 
     world_size: int
     cap_bytes: int
@@ -234,7 +269,7 @@ class OneShotLayout:
         slot = -(-cap_bytes // 256) * 256
         max_tiles = -(-(cap_bytes // 2) // ROW_MIN)           # 2-byte values: tiles or rows
         flags_off = 2 * world_size * slot
-        words = -(-(world_size * max_tiles + 1) // 32) * 32
+        words = -(-(2 * world_size * max_tiles + 1) // 32) * 32
         return cls(world_size, cap_bytes, slot, max_tiles, flags_off, flags_off + 8 * words)
 
     def flag_words(self, buf: torch.Tensor) -> torch.Tensor:
