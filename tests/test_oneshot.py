@@ -121,16 +121,22 @@ def _check_boundary(outs, calls, P):
                 assert not bool(bad.any()), f"call {c} rank {r} {what}: {int(bad.sum())} differ"
 
 
-@pytest.mark.parametrize("P", [2, 3])
-def test_decode_boundary_ranks_in_one_process_match_reference(P):
-    lay = ok.OneShotLayout.build(P, 16_000)
+def _ranks_in_one_process(P: int, cap: int, programs: int):
+    """P ranks' buffers (poisoned, flags zeroed), error records, pointer tables and epochs in
+    this process -> (layout, bufs, errs, tables, epochs); the tables point into bufs."""
+    lay = ok.OneShotLayout.build(P, cap)
     bufs = [torch.randint(0, 256, (lay.nbytes,), dtype=torch.uint8) for _ in range(P)]
     for b in bufs:
         lay.flag_words(b).zero_()
     errs = [torch.zeros(8, dtype=torch.int64) for _ in range(P)]
     tables = [torch.tensor([b.data_ptr() for b in bufs] + [errs[r].data_ptr()])
               for r in range(P)]
-    epochs = [torch.zeros(2, dtype=torch.int64) for _ in range(P)]
+    return lay, bufs, errs, tables, [torch.zeros(programs, dtype=torch.int64) for _ in range(P)]
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_decode_boundary_ranks_in_one_process_match_reference(P):
+    lay, bufs, errs, tables, epochs = _ranks_in_one_process(P, 16_000, 2)
     calls = _boundary_inputs(P, 7)
     outs = []
     for xs, res, w in calls:
@@ -205,14 +211,7 @@ def test_oneshot_ranks_whose_calls_differ_fail_on_every_rank(what):
     from echo_tp.kernels.flags import describe_call, raise_if_set
     calls = ONESHOT_MISMATCHES[what]
     P, programs = len(calls), 2
-    lay = ok.OneShotLayout.build(P, CAP)
-    bufs = [torch.randint(0, 256, (lay.nbytes,), dtype=torch.uint8) for _ in range(P)]
-    for b in bufs:
-        lay.flag_words(b).zero_()
-    errs = [torch.zeros(8, dtype=torch.int64) for _ in range(P)]
-    tables = [torch.tensor([b.data_ptr() for b in bufs] + [errs[r].data_ptr()])
-              for r in range(P)]
-    epochs = [torch.zeros(programs, dtype=torch.int64) for _ in range(P)]
+    lay, bufs, errs, tables, epochs = _ranks_in_one_process(P, CAP, programs)
     xs = [torch.randn(n).to(dt) for n, dt in calls]
     outs = [torch.zeros_like(x) for x in xs]
     res, w = torch.randn(4, 512).to(torch.bfloat16), torch.randn(512).to(torch.bfloat16)

@@ -549,22 +549,26 @@ def test_p2p_halves_bit_identical_to_reference(world):
 
 # ----- the packet header on real ranks: any length without a host check, mismatches refused ----
 
+def _nccl_group(rank: int):
+    """This rank's GPU and a new NCCL group over the world, multicast off."""
+    import torch.distributed as dist
+    for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                 ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ.setdefault(k, v)
+    torch.cuda.set_device(rank)
+    return dist.new_group(backend="nccl")
+
+
 def _header_fn(rank: int, world: int, lengths: int):
     """`lengths` distinct lengths (fused and staged forms, 4 and 8 bits) on one P2PBackend, then
     one call whose length differs on the last rank. Returns: mismatches against the reference
     (every 50th call), the workspaces grown, the host collectives the backend ran (its
     transport's all-gathers: the growth agreements only), whether the bad call's y is all NaN,
     and the error check_error() raised."""
-    import torch.distributed as dist
-
     from echo_tp.collective.dispatch import TransportBackend
     from echo_tp.collective.p2p import P2PBackend
     from echo_tp.collective.reference import DistTransport
-    for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                 ("NVSHMEM_DISABLE_NVLS", "1")):
-        os.environ.setdefault(k, v)
-    torch.cuda.set_device(rank)
-    group = dist.new_group(backend="nccl")
+    group = _nccl_group(rank)
     p = P2PBackend(group)
     ref = TransportBackend(DistTransport(group))
     agreements = []
