@@ -3,6 +3,7 @@ record and the study, on one GPU.
 
     python studies/train_real_llm.py prep  --gguf /tmp/m/smollm2-135m-instruct-q4_1.gguf
     python studies/train_real_llm.py speed --out OUT        # plain vs TP=3, eager/graph
+    python studies/train_real_llm.py profile --out OUT [--steps N]   # the graphed step's kernels
     python studies/train_real_llm.py probe --out OUT        # the LR, by held-out loss (16-bit)
     python studies/train_real_llm.py study --out OUT --lr LR [--steps N]
     python studies/train_real_llm.py report RUNS... --out-dir docs/results/raw/DATE-train-llm
@@ -22,6 +23,12 @@ path, compiled, with --cuda-graph.
   with and without the CUDA graph; the testbed at TP=4 likewise (random init, its 8k vocabulary:
   the token file's ids mod 8,192). Tokens/s counted after step 1, with a graph after its first
   replay. Writes speed.json (merged: `--models` runs some rows per call).
+- profile: the graph rows of SPEED (plain and TP), one run at a time, each PROFILE_AFTER steps
+  (compile, warm-up, capture, a replay) then --steps N (default PROFILE_STEPS) under
+  torch.profiler (`train --profile-steps`); per row the device time per step, its kernels by
+  CATEGORIES, the small ones (SMALL_US) and the TOP longest; per TP row its ratio to the plain
+  row. Writes profile.json
+  (merged, as speed.json) and profile.txt (the same, to read).
 - probe: 16-bit TP=3 runs of PROBE_STEPS at each LR in PROBE_LRS, side by side; the LR with the
   lowest final held-out loss is the study's. Writes probe.json.
 - study: comm configs 16, 4 (naive) and echo4 (the default) x seeds 0, 1 (the data order),
@@ -39,6 +46,7 @@ import json
 import lzma
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -67,6 +75,29 @@ SPEED = {  # name -> (model args, simulate, comm, graph)
     "testbed-tp4": (["--model", "studies/testbed/model.json"], 4, "echo4", False),
     "testbed-tp4-graph": (["--model", "studies/testbed/model.json"], 4, "echo4", True),
 }
+PROFILE_STEPS = 3
+PROFILE_AFTER = 5
+"""profile: unprofiled steps first: the compile, graphed.WARM_STEPS (3) warm-up steps, the
+capture and the first replay."""
+TOP = 40
+SMALL_US = 5.0
+"""profile: kernels whose mean duration is below this many microseconds count as small (their
+number, more than their time, says what launch gaps cost)."""
+CATEGORIES = (  # (category, regex searched in a kernel's or CPU operator's name, any case):
+    # the first that matches names the category; the echo ones are the package's Triton kernels
+    ("echo all-reduce", r"^(entry|reduce|tail|reduce_tail|fused|amax|next_call|oneshot|"
+                        r"quantize|dequantize)_kernel$"),
+    ("echo add+norm", r"^rmsnorm_kernel$"),
+    ("matmul", r"gemm|nvjet|cutlass|cublas|xmma|wgmma|splitk|gemv|^triton_tem_|"
+               r"^aten::(mm|bmm|addmm|baddbmm|addbmm)$"),
+    ("compiled fused", r"^triton_(poi|red|per)_"),   # inductor's elementwise, norm, reductions
+    ("attention", r"flash|fmha|sdpa|attention|fort_native"),
+    ("optimizer+clip", r"multi_tensor_apply|adam|_foreach_|lpnorm"),
+    ("copy/cast/cat/fill", r"memcpy|memset|copy|cat|stack|fill|index|gather|scatter|zero_"),
+    ("elementwise/norm", r"elementwise|reduce|norm|softmax|cross_entropy|nll_loss|embedding|"
+                         r"^aten::"),
+    ("other", r""),
+)
 
 
 def train_args(out: Path, *, model: list[str], simulate: int, comm: str, steps: int, lr: float,
@@ -132,17 +163,24 @@ def prep(gguf: str) -> None:
     print("prep done:", sorted(p.name for p in DATA.iterdir()), flush=True)
 
 
+def row_data(out: Path, models: tuple[str, ...], source: Path | None) -> dict:
+    """model -> (train, val) token files of its SPEED rows (source: default smol-train.bin)."""
+    source = source or DATA / "smol-train.bin"
+    data = {"smollm2": (source, source)}
+    if "testbed" in models:
+        out.mkdir(parents=True, exist_ok=True)
+        tb = testbed_tokens(source, out / "testbed-tokens.bin")
+        data["testbed"] = (tb, tb)
+    return data
+
+
 def speed(out: Path, steps: int, models: tuple[str, ...] = ("smollm2", "testbed"),
           source: Path | None = None) -> dict:
     """The SPEED rows of `models`, one run at a time (source: the token file read, default
     smol-train.bin); merged into OUT/speed.json, each row's ratio to the faster of its model's
     plain rows (with and without the graph)."""
-    source = source or DATA / "smol-train.bin"
     names = [n for n in SPEED if n.split("-")[0] in models]
-    data = {"smollm2": (source, source)}
-    if "testbed" in models:
-        tb = testbed_tokens(source, out / "testbed-tokens.bin")
-        data["testbed"] = (tb, tb)
+    data = row_data(out, models, source)
     runs = {name: train_args(out / name, model=SPEED[name][0], simulate=SPEED[name][1],
                              comm=SPEED[name][2], steps=steps, lr=1e-4, graph=SPEED[name][3],
                              extra=("--eval-batches", "1"), data=data[name.split("-")[0]])
@@ -163,6 +201,116 @@ def speed(out: Path, steps: int, models: tuple[str, ...] = ("smollm2", "testbed"
     path.write_text(json.dumps(rows, indent=2) + "\n")
     print(json.dumps(rows, indent=2), flush=True)
     return rows
+
+
+def category(name: str) -> str:
+    return next(c for c, pattern in CATEGORIES if re.search(pattern, name, re.IGNORECASE))
+
+
+def kernel_summary(raw: dict, cuda_graph: str | None) -> dict:
+    """A run's profile.json (train/profile.py: totals over its window) -> per step: device and
+    wall ms, kernels, the small ones (ms, calls), CATEGORIES (ms, calls), the TOP longest."""
+    n, total = raw["steps"], raw["time_us"]
+    cats = {c: {"ms": 0.0, "calls": 0.0} for c, _ in CATEGORIES}
+    for r in raw["rows"]:
+        cat = cats[category(r["name"])]
+        cat["ms"] += r["us"] / 1e3 / n
+        cat["calls"] += r["calls"] / n
+    small = [r for r in raw["rows"] if r["us"] < SMALL_US * r["calls"]]
+    top = [{"name": r["name"], "category": category(r["name"]), "calls": r["calls"] / n,
+            "ms": r["us"] / 1e3 / n, "share": r["us"] / total if total else 0.0}
+           for r in raw["rows"][:TOP]]
+    return {"device": raw["device"], "steps": n, "cuda_graph": cuda_graph,
+            "device_ms": total / 1e3 / n, "wall_ms": raw["wall_s"] * 1e3 / n,
+            "kernels": sum(r["calls"] for r in raw["rows"]) / n,
+            "small": {"ms": sum(r["us"] for r in small) / 1e3 / n,
+                      "calls": sum(r["calls"] for r in small) / n},
+            "categories": {c: v for c, v in cats.items() if v["calls"]}, "top": top}
+
+
+def compare(rows: dict) -> dict:
+    """TP row -> its model's plain row, the ratios of device and wall ms per step, and the ms
+    per step each category adds."""
+    out = {}
+    for name, row in rows.items():
+        model = name.split("-")[0]
+        plain = next((n for n in rows if n.startswith(f"{model}-plain")), None)
+        if plain is None or name == plain:
+            continue
+        p = rows[plain]
+        out[name] = {"plain": plain, "device_ratio": row["device_ms"] / p["device_ms"],
+                     "wall_ratio": row["wall_ms"] / p["wall_ms"],
+                     "added_ms": {c: row["categories"].get(c, {}).get("ms", 0.0)
+                                  - p["categories"].get(c, {}).get("ms", 0.0)
+                                  for c, _ in CATEGORIES}}
+    return out
+
+
+def profile_text(table: dict) -> str:
+    """profile.json to read: each TP row against its plain row by category, then every row's
+    TOP kernels."""
+    rows, lines = table["rows"], []
+    unit = "device" if any(r["device"] == "cuda" for r in rows.values()) else "CPU self"
+    lines.append(f"Kernel profile per training step ({unit} time; wall between two device "
+                 f"syncs), {PROFILE_AFTER} unprofiled steps, then the profiled ones")
+    for name, c in table["compare"].items():
+        p, t = rows[c["plain"]], rows[name]
+        lines += ["", f"{name} vs {c['plain']}: {unit} {t['device_ms']:.2f} / "
+                      f"{p['device_ms']:.2f} ms = {c['device_ratio']:.2f}x; wall "
+                      f"{t['wall_ms']:.2f} / {p['wall_ms']:.2f} ms = {c['wall_ratio']:.2f}x; "
+                      f"kernels {t['kernels']:.0f} / {p['kernels']:.0f}",
+                  f"  {'category':20} {'plain ms':>9} {'calls':>7} {'TP ms':>9} {'calls':>7} "
+                  f"{'TP-plain':>9}"]
+        for cat, _ in CATEGORIES:
+            a, b = p["categories"].get(cat), t["categories"].get(cat)
+            if a or b:
+                a, b = a or {"ms": 0.0, "calls": 0}, b or {"ms": 0.0, "calls": 0}
+                lines.append(f"  {cat:20} {a['ms']:9.3f} {a['calls']:7.0f} {b['ms']:9.3f} "
+                             f"{b['calls']:7.0f} {c['added_ms'][cat]:+9.3f}")
+        lines.append(f"  {'total':20} {p['device_ms']:9.3f} {p['kernels']:7.0f} "
+                     f"{t['device_ms']:9.3f} {t['kernels']:7.0f} "
+                     f"{t['device_ms'] - p['device_ms']:+9.3f}")
+        lines.append(f"  {f'(< {SMALL_US:g} us each)':20} {p['small']['ms']:9.3f} "
+                     f"{p['small']['calls']:7.0f} {t['small']['ms']:9.3f} "
+                     f"{t['small']['calls']:7.0f} {t['small']['ms'] - p['small']['ms']:+9.3f}")
+    for name, r in rows.items():
+        lines += ["", f"{name} ({r['device']}, graph: {r['cuda_graph']}, {r['steps']} steps): "
+                      f"{r['device_ms']:.3f} ms {unit}, {r['wall_ms']:.3f} ms wall, "
+                      f"{r['kernels']:.0f} kernels per step; top {len(r['top'])}",
+                  f"  {'ms':>8} {'share':>6} {'calls':>6}  {'category':20} name"]
+        lines += [f"  {k['ms']:8.3f} {k['share']:6.1%} {k['calls']:6.1f}  {k['category']:20} "
+                  f"{k['name'][:120]}" for k in r["top"]]
+    return "\n".join(lines) + "\n"
+
+
+def profile(out: Path, steps: int = PROFILE_STEPS,
+            models: tuple[str, ...] = ("smollm2", "testbed"), source: Path | None = None) -> dict:
+    """The graph rows of SPEED of `models` (plain and TP), one run at a time, their last `steps`
+    steps under the profiler (module docstring); merged into OUT/profile.json, written out as
+    OUT/profile.txt."""
+    names = [n for n in SPEED if n.split("-")[0] in models and SPEED[n][3]]
+    data = row_data(out, models, source)
+    runs = {name: train_args(out / name, model=SPEED[name][0], simulate=SPEED[name][1],
+                             comm=SPEED[name][2], steps=PROFILE_AFTER + steps, lr=1e-4,
+                             graph=SPEED[name][3], data=data[name.split("-")[0]],
+                             extra=("--eval-batches", "1", "--profile-steps", str(steps)))
+            for name in names}
+    for name in names:                     # a run that fails leaves no earlier run's file
+        (out / name / "profile.json").unlink(missing_ok=True)
+    launch(runs, out / "logs", parallel=False)
+    path = out / "profile.json"
+    rows = json.loads(path.read_text())["rows"] if path.is_file() else {}
+    for name in names:
+        raw = out / name / "profile.json"
+        if raw.is_file():
+            rows[name] = kernel_summary(json.loads(raw.read_text()),
+                                        result(out / name).get("cuda_graph"))
+    table = {"rows": rows, "compare": compare(rows)}
+    path.write_text(json.dumps(table, indent=1) + "\n")
+    text = profile_text(table)
+    (out / "profile.txt").write_text(text)
+    print(text, flush=True)
+    return table
 
 
 def probe(out: Path) -> float:
@@ -230,19 +378,23 @@ def study(out: Path, lr: float, steps: int, budget: float | None,
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("stage", choices=("prep", "speed", "probe", "study", "report"))
+    p.add_argument("stage", choices=("prep", "speed", "profile", "probe", "study", "report"))
     p.add_argument("runs", nargs="*")
     p.add_argument("--gguf", default="/tmp/m/smollm2-135m-instruct-q4_1.gguf")
     p.add_argument("--out", default="/tmp/train-llm")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--lr", type=float, default=None)
-    p.add_argument("--steps", type=int, default=math.ceil(STUDY_TOKENS / (SEQ * ROWS)))
+    p.add_argument("--steps", type=int, default=None,
+                   help="study: its steps (default: STUDY_TOKENS); profile: the steps profiled "
+                        f"(default {PROFILE_STEPS})")
     p.add_argument("--speed-steps", type=int, default=40)
     p.add_argument("--budget", type=float, default=None)
     p.add_argument("--models", nargs="+", default=["smollm2", "testbed"],
-                   choices=("smollm2", "testbed"), help="speed: the rows of these models")
+                   choices=("smollm2", "testbed"),
+                   help="speed, profile: the rows of these models")
     p.add_argument("--speed-data", type=Path, default=None,
-                   help="speed: the token file read (default .work/data/smol-train.bin)")
+                   help="speed, profile: the token file read (default "
+                        ".work/data/smol-train.bin)")
     p.add_argument("--configs", nargs="+", default=None, help="study: a subset of CONFIGS")
     p.add_argument("--seeds", nargs="+", type=int, default=None, help="study: a subset of SEEDS")
     a = p.parse_args(argv)
@@ -252,13 +404,16 @@ def main(argv: list[str] | None = None) -> None:
         prep(a.gguf)
     elif a.stage == "speed":
         speed(out, a.speed_steps, tuple(a.models), a.speed_data)
+    elif a.stage == "profile":
+        profile(out, a.steps or PROFILE_STEPS, tuple(a.models), a.speed_data)
     elif a.stage == "probe":
         probe(out)
     elif a.stage == "study":
         lr = a.lr
         if lr is None:
             lr = json.loads((out / "probe.json").read_text())["lr"]
-        study(out, lr, a.steps, a.budget, a.configs and tuple(a.configs),
+        steps = a.steps or math.ceil(STUDY_TOKENS / (SEQ * ROWS))
+        study(out, lr, steps, a.budget, a.configs and tuple(a.configs),
               a.seeds and tuple(a.seeds))
     else:
         subprocess.run([sys.executable, "studies/train_schedule_report.py", *a.runs,

@@ -10,8 +10,13 @@ What is compared with what:
 - train_speed.py's dry run (P=2, tiny-qwen3, CPU): every asked variant timed with positive
   tokens/s, the equivalence check bit for bit on the CPU (one step's logits and gradients, two
   steps' losses), the JSON written.
+- train_real_llm.py's profile stage (tiny testbed-like rows, plain and simulated TP=2, on the
+  CPU): both rows profiled over the asked steps with positive times, their categories summing to
+  the row's total, the TP row compared with the plain one, profile.json merged over calls and
+  profile.txt written.
 Where to look first: train_schedule_report.summarize / change_vs (pairing by seed and rows),
-then verdict; for the benchmark echo_tp.train.train_step / prepare_forward.
+then verdict; for the benchmark echo_tp.train.train_step / prepare_forward; for the profile
+echo_tp/train/profile.py (the window), then train_real_llm.kernel_summary / compare.
 """
 import csv
 import json
@@ -177,3 +182,46 @@ def test_real_llm_study_dry_run(tmp_path, monkeypatch):
     assert rows["smollm2-tp3-graph"]["ratio_to_plain"] > 0
     assert "CUDA device" in rows["smollm2-tp3-graph"]["cuda_graph"]   # eager on the CPU
     assert all(r["steps"] == 4 and r["steady_from_step"] == 1 for r in rows.values())
+
+
+def test_real_llm_profile_dry_run(tmp_path, monkeypatch):
+    """studies/train_real_llm.py's profile stage on the CPU: the graph rows of SPEED (on the CPU
+    they run eagerly, the reason recorded), each with its last steps under the profiler."""
+    import numpy as np
+
+    import train_real_llm as study
+    from echo_tp.models.tokenize import write_tokens
+    source = tmp_path / "tokens.bin"
+    write_tokens(np.random.default_rng(0).integers(1, 8192, 40_000), source, vocab_size=8192,
+                 meta={"eos_id": 0})
+    tiny = ["--model", "tiny-qwen3", "--model-field", "vocab_size=8192"]
+    monkeypatch.setattr(study, "SPEED", {
+        "testbed-plain": (tiny, 1, "16", False),             # not a graph row: not profiled
+        "testbed-plain-graph": (tiny, 1, "16", True),
+        "testbed-tp2-graph": (tiny, 2, "echo4", True)})
+    for name, value in dict(SEQ=32, ROWS=4, COMPILE=False, PROFILE_AFTER=1, TOP=5).items():
+        monkeypatch.setattr(study, name, value)
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "profile"
+    table = study.profile(out, steps=2, models=("testbed",), source=source)
+    rows = table["rows"]
+    assert sorted(rows) == ["testbed-plain-graph", "testbed-tp2-graph"]
+    for row in rows.values():
+        assert row["device"] == "cpu" and row["steps"] == 2 and "CUDA device" in row["cuda_graph"]
+        assert row["device_ms"] > 0 and row["wall_ms"] > 0 and row["kernels"] > 0
+        assert len(row["top"]) == 5 and row["top"][0]["ms"] >= row["top"][-1]["ms"] > 0
+        assert sum(c["ms"] for c in row["categories"].values()) == pytest.approx(row["device_ms"])
+        assert row["categories"]["matmul"]["ms"] > 0 and 0 <= row["small"]["ms"] <= row["device_ms"]
+    tp, plain = rows["testbed-tp2-graph"], rows["testbed-plain-graph"]
+    c = table["compare"]["testbed-tp2-graph"]
+    assert list(table["compare"]) == ["testbed-tp2-graph"] and c["plain"] == "testbed-plain-graph"
+    assert c["device_ratio"] == pytest.approx(tp["device_ms"] / plain["device_ms"])
+    assert tp["kernels"] > plain["kernels"]               # the simulated collectives' operators
+    text = (out / "profile.txt").read_text()
+    assert "testbed-tp2-graph vs testbed-plain-graph" in text and "matmul" in text
+    # a second call adds its rows to profile.json
+    monkeypatch.setattr(study, "SPEED", {"smollm2-plain-graph": (tiny, 1, "16", True)})
+    table = study.profile(out, steps=1, models=("smollm2",), source=source)
+    assert sorted(table["rows"]) == ["smollm2-plain-graph", "testbed-plain-graph",
+                                     "testbed-tp2-graph"]
+    assert table["rows"]["smollm2-plain-graph"]["steps"] == 1

@@ -14,9 +14,12 @@ What is checked, each against an independent computation:
   the same losses as eager;
 - --save-dtype bfloat16: bf16 tensors on disk, evaluated by `echo-tp eval` to the training
   run's own validation loss within bf16 rounding;
-- eval --bos: each window read after BOS, BOS position unscored, the same targets scored.
+- eval --bos: each window read after BOS, BOS position unscored, the same targets scored;
+- --profile-steps N: profile.json holds exactly the last N steps (every operator's calls over
+  two steps are twice those over one; the evaluation after them not counted).
 Where to look first: train/data.py (packing), train/loop.py + train/model.py (modes, budget,
-saving), eval/metric.py (window_nll), models/config.py (resolve_model_config).
+saving), eval/metric.py (window_nll), models/config.py (resolve_model_config), train/profile.py
+(the profiled window).
 """
 import csv
 import dataclasses
@@ -321,3 +324,24 @@ def test_sequence_parallel_training_under_autocast(data, tmp_path):
     assert float(echo[-1]["loss"]) < float(echo[0]["loss"])
     config = json.loads((tmp_path / "echo" / "train_config.json").read_text())
     assert config["sequence_parallel"] and config["comm_config"]["gather_bits"] == 8
+
+
+def test_profile_steps_profiles_the_last_steps(data, tmp_path):
+    """--profile-steps N: out_dir/profile.json covers the last N steps only. On the CPU every
+    step runs the same operators, so two steps' calls are twice one step's, operator by
+    operator; the evaluation and the save after the window add nothing."""
+    got = {}
+    for n in (1, 2):
+        out = tmp_path / f"p{n}"
+        train(data, out, "--steps", "3", "--profile-steps", str(n), "--simulate", "2",
+              "--sim-path", "batched", "--comm", "echo4")
+        got[n] = json.loads((out / "profile.json").read_text())
+        assert json.loads((out / "result.json").read_text())["profile"] == str(
+            out / "profile.json")
+        assert got[n]["steps"] == n and got[n]["device"] == "cpu" and got[n]["wall_s"] > 0
+        assert got[n]["time_us"] == pytest.approx(sum(r["us"] for r in got[n]["rows"]),
+                                                  abs=1e-2)
+    one, two = ({r["name"]: r["calls"] for r in got[n]["rows"]} for n in (1, 2))
+    assert "aten::bmm" in one and two == {k: 2 * v for k, v in one.items()}
+    with pytest.raises(ValueError, match="profile_steps must be <= steps"):
+        TrainOptions(train_data="x", steps=2, profile_steps=3)

@@ -779,14 +779,16 @@ fi
     Job(name="train-llm", kind="nvidia-h200", seconds=240,
         about="continued pretraining of SmolLM2-135M at simulated TP=3 (studies/"
               "train_real_llm.py), STAGES of: test (the CUDA-graph step == eager, GPU), speed "
-              "(tokens/s against the plain model, with and without the graph; MODELS), probe "
-              "(the LR), study (CONFIGS x SEEDS side by side, then their evaluations); runs in "
-              "$W, which stays on the machine for the next call",
+              "(tokens/s against the plain model, with and without the graph; MODELS), profile "
+              "(the graphed step's kernels, plain vs TP, PROFILE_STEPS under torch.profiler), "
+              "probe (the LR), study (CONFIGS x SEEDS side by side, then their evaluations); "
+              "runs in $W, which stays on the machine for the next call",
         knobs={"STAGES": "test speed probe", "MODELS": "testbed smollm2", "SPEED_STEPS": "40",
-               "SPEED_DATA": ".work/data/smol-train.bin", "CONFIGS": "16 4 echo4",
-               "SEEDS": "0 1", "LR": "", "STUDY_BUDGET": "", "W": "/tmp/train-llm",
-               "M": "/tmp/m"},
-        carry=(SMOL_DATA, GGUF_WHEEL, PARTS), keep=("speed.json", "study.json"),
+               "SPEED_DATA": ".work/data/smol-train.bin", "PROFILE_STEPS": "3",
+               "CONFIGS": "16 4 echo4", "SEEDS": "0 1", "LR": "", "STUDY_BUDGET": "",
+               "W": "/tmp/train-llm", "M": "/tmp/m"},
+        carry=(SMOL_DATA, GGUF_WHEEL, PARTS),
+        keep=("speed.json", "profile.txt", "profile.json", "study.json"),
         records=("2026-12-05-train-speed-graph.md",),
         script=r"""
 record_env "$OUT"; mkdir -p "$W"; has() { [[ " $STAGES " == *" $1 "* ]]; }
@@ -807,6 +809,16 @@ if has speed; then
     --speed-data "$SPEED_DATA" > "$OUT/speed.log" 2>&1; echo "speed rc=$?"
   cp "$W/speed/speed.json" "$OUT/" 2>/dev/null; cp -r "$W/speed/logs" "$OUT/speed-logs"
   grep -h "tokens/s" "$OUT"/speed-logs/*.log | cut -c1-240
+fi
+if has profile; then
+  $LLM profile --out "$W/profile" --models $MODELS --steps "$PROFILE_STEPS" \
+    --speed-data "$SPEED_DATA" > "$OUT/profile.log" 2>&1; echo "profile rc=$?"
+  cp "$W"/profile/profile.{json,txt} "$OUT/" 2>/dev/null
+  cp -r "$W/profile/logs" "$OUT/profile-logs"; mkdir -p "$OUT/profile-runs"
+  for r in "$W"/profile/*/profile.json; do
+    d=${r%/*}; cp "$r" "$OUT/profile-runs/${d##*/}.json"
+  done
+  sed -n '1,/^$/p;/ vs /,/^  total/p' "$OUT/profile.txt" 2>/dev/null | cut -c1-160
 fi
 if has probe; then
   $LLM probe --out "$W" > "$OUT/probe.log" 2>&1; echo "probe rc=$?"; tail -1 "$OUT/probe.log"

@@ -77,6 +77,7 @@ from .data import IGNORE, TokenBatches, eval_batches
 from .log import LossLog, TelemetryLog, plot_losses
 from .model import (SAVE_DTYPES, Built, build_model, check_init_from, is_hf_dir, model_config,
                     save_checkpoint)
+from .profile import ProfileWindow
 
 LOG = logging.getLogger(__name__)
 
@@ -176,6 +177,10 @@ class TrainOptions:
     """Every N steps one step with the collective's per-call error telemetry on
     (out_dir/telemetry.csv; simulated: the exact ||y - sum x|| per site; 0: never; module
     doc)."""
+    profile_steps: int = field(default=0, metadata=cli(metavar="N"))
+    """Run the last N steps under torch.profiler: out_dir/profile.json, every kernel's (CUDA)
+    or operator's (CPU) calls and time over them (train/profile.py; 0: off). The run's
+    tokens/s then include the profiler's cost."""
     progress: bool = True
     """Show a progress bar."""
 
@@ -189,7 +194,7 @@ class TrainOptions:
                      "sync_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup", "eval_every", "save_every", "telemetry_every"):
+        for name in ("warmup", "eval_every", "save_every", "telemetry_every", "profile_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not self.lr > 0 or (self.min_lr is not None and not 0 <= self.min_lr <= self.lr):
@@ -203,6 +208,9 @@ class TrainOptions:
                              f"{self.save_dtype!r}")
         if self.sim_path not in SIM_PATHS:
             raise ValueError(f"sim_path must be one of {SIM_PATHS}, got {self.sim_path!r}")
+        if self.profile_steps > self.steps:
+            raise ValueError(f"profile_steps must be <= steps ({self.steps}), got "
+                             f"{self.profile_steps}")
         if self.bos_id is not None and (not self.bos or self.bos_id < 0):
             raise ValueError(f"bos_id needs bos=True and an id >= 0, got {self.bos_id}")
 
@@ -426,6 +434,8 @@ def _rank_train(rank: int | None, world_size: int, o: TrainOptions) -> dict:
         bar = tqdm(total=o.steps, desc=f"train {spec.label} ({built.mode})", unit="step")
     tokens_per_step = o.batch_size * o.grad_accum * o.seq_len
     stepper = Stepper(forward, built, opt, o, device, amp)
+    window = ProfileWindow(o.profile_steps, o.steps, device) if main and o.profile_steps \
+        else None
     pending: list[tuple] = []  # (step, lr, loss, norm, elapsed), loss and norm on the device
     state = {"loss": None}
 
@@ -461,6 +471,8 @@ def _rank_train(rank: int | None, world_size: int, o: TrainOptions) -> dict:
         sample = comm is not None and o.telemetry_every and step % o.telemetry_every == 0
         if sample:
             comm.telemetry = Telemetry()        # this step's calls leave rows (module doc)
+        if window is not None:
+            window.before(step)
         loss, norm = stepper(batches, eager=sample)
         if sample:
             rows = comm.telemetry_summary()     # on real ranks a collective: every rank
@@ -475,6 +487,8 @@ def _rank_train(rank: int | None, world_size: int, o: TrainOptions) -> dict:
         last = done == o.steps or stopped != "steps"
         do_eval = val is not None and ((o.eval_every and done % o.eval_every == 0) or last)
         do_save = (o.save_every and done % o.save_every == 0) or last
+        if last and window is not None:
+            window.stop()                      # before the evaluation and the checkpoint
         if (last or do_eval or do_save or done % o.sync_every == 0 or done == 1
                 or done == steady_step):
             read_pending()                     # a device sync: the clock below sees the work
@@ -508,6 +522,7 @@ def _rank_train(rank: int | None, world_size: int, o: TrainOptions) -> dict:
         name = Path(o.model or o.init_from).name
         plot = plot_losses(log.rows, out / "loss.png", title=f"{name}, "
                            f"TP={world_size} ({built.mode}), comm {spec.label}")
+    profiled = window.write(out / "profile.json") if window is not None else None
     losses = [r["loss"] for r in log.rows]
     tail = losses[-min(100, len(losses)):]
     result = {"comm": spec.label, "mode": built.mode, "steps": done, "planned_steps": o.steps,
@@ -521,7 +536,8 @@ def _rank_train(rank: int | None, world_size: int, o: TrainOptions) -> dict:
             "steady_tokens_per_s": (done - steady_step) * tokens_per_step / (t_last - t_step1)
             if done > steady_step and t_last > t_step1 else None,
             "peak_gpu_mib": (torch.cuda.max_memory_allocated(device) / 2**20
-                             if device.type == "cuda" else None)}
+                             if device.type == "cuda" else None),
+            "profile": str(profiled) if profiled else None}
     (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
 
