@@ -8,7 +8,7 @@ CONSTRAINTS ?= constraints/tested.txt
 # The oldest Triton the package supports (pyproject: triton>=3.6; the GPU machine's version).
 TRITON_OLDEST ?= 3.6.0
 OLD_VENV ?= .venv-triton-oldest
-KERNEL_TESTS = tests/test_kernels.py tests/test_add_norm.py tests/test_sharded_kernels.py tests/test_oneshot.py tests/test_benchmarks_cpu.py
+KERNEL_TESTS = tests/test_kernels.py tests/test_add_norm.py tests/test_sharded_kernels.py tests/test_oneshot.py tests/test_call_header.py tests/test_benchmarks_cpu.py
 # Without the concurrent-process tests there: they check the peers' flag and epoch protocol,
 # which `make test` covers, and CI runs both suites at once on 2 cores.
 KERNEL_TESTS_OLDEST = $(KERNEL_TESTS) -k "not concurrent"

@@ -67,9 +67,10 @@ class SimulatedFused:
             errs = [new_error_buffer(torch.device(device).type == "cuda") for _ in range(P)]
             tables = [torch.tensor([b.data_ptr() for b in bufs] + [errs[r].data_ptr()],
                                    dtype=torch.int64, device=device) for r in range(P)]
-            epochs = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(P)]
+            epoch = torch.zeros(P, dtype=torch.int64, device=device)    # every rank's, one
             ws = self._ws[key] = dict(room=room, bufs=bufs, errs=errs, tables=tables,
-                                      epochs=epochs, errs_np=[e.numpy() for e in errs])
+                                      epoch=epoch, epochs=list(epoch.view(P, 1).unbind(0)),
+                                      errs_np=[e.numpy() for e in errs])
         ws["lay"] = Layout.build(n, P, spec, self.tile_elems, room=ws["room"])
         return ws
 
@@ -120,12 +121,16 @@ class SimulatedFused:
 
     def _grad_scale(self, x: torch.Tensor, cfg: EchoConfig, state: CompState | None,
                     backward: bool) -> torch.Tensor | None:
-        """The backward power of two [P, 1] over the group's x' (None: no scaling)."""
+        """The backward power of two [P, 1] over the group's x' (None: no scaling): the max
+        over every rank's x' is the max of the flat [P*N] (max is exact, NaN counts as +inf
+        either way), so one amax launch, not P, then grad_scale of one 'rank'; unfused:
+        grad_scale(stack(local_amax(x[r]) for r), SimTransport(P))."""
         if not (backward and cfg.grad_scaling):
             return None
         P = x.shape[0]
-        parts = torch.stack([local_amax(x[r], _rank_state(state, r), cfg) for r in range(P)])
-        return grad_scale(parts, SimTransport(P))                # [P, 1]
+        flat = None if state is None else CompState(state.m1.reshape(-1), state.m2.reshape(-1))
+        parts = local_amax(x.reshape(-1), flat, cfg)             # [blocks]
+        return grad_scale(parts[None], SimTransport(1)).expand(P, 1)
 
     def _run(self, plans: list[CallPlan], stages: tuple, y: torch.Tensor) -> None:
         """Each stage on every rank in turn (y [P, ...]: rank r's output y[r]), then raise on
@@ -153,9 +158,9 @@ class SimulatedFused:
                              f"{residual.dtype} vs {tuple(x.shape)} {x.dtype}")
         n = x.shape[-1] * (self.world_size if half == "all_gather" else 1)
         ws = self.workspace(n, cfg.quant_spec(), x.device)
+        ws["epoch"].add_(1)                                   # every rank's epoch, one launch
         plans = []
         for r in range(self.world_size):
-            ws["epochs"][r].add_(1)
             plans.append(CallPlan(rank=r, lay=ws["lay"], cfg=cfg, x=x[r],
                                   state=_rank_state(state, r),
                                   fs=None if fs is None else fs[r].contiguous(),

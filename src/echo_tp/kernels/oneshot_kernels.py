@@ -235,9 +235,8 @@ def oneshot_add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, rout_ptr, epochs_
                 m = offs < H
                 y = _cast_out(_rank_sum(x_ptr, own, row + offs, m, ep, slot, RANK, P, X_KIND),
                               X_KIND)
-                r = _cast_out(_as_f32(y, X_KIND) + _load_f32(res_ptr + row + offs, m, X_KIND),
-                              X_KIND)
-                r = tl.where(ok, r, float("nan"))          # a refused row: NaN, then normed
+                r = _as_f32(y, X_KIND) + _load_f32(res_ptr + row + offs, m, X_KIND)
+                r = _cast_out(tl.where(ok, r, float("nan")), X_KIND)   # a refused row: NaN
                 tl.store(rout_ptr + row + offs, r, mask=m)
                 v = _as_f32(r, X_KIND)
                 acc = acc + tl.where(m, v * v, 0.0)

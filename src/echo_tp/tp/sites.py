@@ -126,7 +126,7 @@ class Site:
         normed, rout = self.tp.comm.all_reduce_add_rmsnorm(
             partial, residual, weight, eps, direction="forward", bits=self.tp.bits(self.index))
         if self.tp.simulated:
-            normed, rout = normed[0].clone(), rout[0].clone()
+            normed, rout = _row0(normed), _row0(rout)
         return normed, rout
 
     def backward_reduce(self, grad: torch.Tensor) -> torch.Tensor:
@@ -197,6 +197,13 @@ class ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad, None
+
+
+def _row0(t: torch.Tensor) -> torch.Tensor:
+    """Virtual rank 0's row of [P, ...]: of one tensor expanded over the ranks (boundary.
+    over_ranks: stride 0) that tensor itself, else a copy (a view would keep the whole [P, ...]
+    alive in the backward's saved tensors)."""
+    return t[0] if t.stride(0) == 0 else t[0].clone()
 
 
 class ReduceAddNorm(torch.autograd.Function):
