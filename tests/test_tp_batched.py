@@ -28,6 +28,7 @@ SimExpand in tp/sites.py (the backward site's [P, ...] stack).
 import copy
 import csv
 import json
+import os
 import types
 
 import pytest
@@ -183,7 +184,7 @@ def test_trainer_batched_compile_compiles_the_block_functions(data, tmp_path,  #
     eager = train(data, tmp_path / "e", *args)
     assert compiled == []
     comp = train(data, tmp_path / "c", *args, "--compile")
-    assert sorted(compiled) == ["attention_partials", "mlp_partials"]
+    assert sorted(compiled) == ["add_norm_grads", "attention_partials", "mlp_partials"]
     for a, b in zip(comp, eager, strict=True):
         assert float(a["loss"]) == pytest.approx(float(b["loss"]), rel=1e-6)
     assert float(comp[-1]["val_loss"]) == pytest.approx(float(eager[-1]["val_loss"]), rel=1e-6)
@@ -225,3 +226,25 @@ def test_rank_parameters_sees_reassigned_parameters():
     shard.weight = torch.nn.Parameter(old.detach() * 2)
     assert rank_parameters(model, 1)[name] is shard.weight
     assert rank_parameters(model, 0)[name] is model.model.layers[0].mlp.shards[0].gate_proj.weight
+
+
+@pytest.mark.parametrize("rdt,wdt", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                     (torch.bfloat16, torch.bfloat16)])
+def test_add_norm_grads_written_out_match_autograd(rdt, wdt):
+    """The boundary backward the compiled batched path runs (sites.add_norm_grads, one graph)
+    against the autograd form every other path runs, on fresh random inputs at mixed scales:
+    the same dtypes, equal within float rounding (sums in another order)."""
+    from echo_tp.tp.sites import _add_norm_backward, add_norm_grads
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    rows, h = 37, 96
+    rout = (torch.randn(rows, h, generator=gen)
+            * torch.exp(torch.randn(rows, 1, generator=gen) * 2)).to(rdt)
+    weight = (1 + 0.3 * torch.randn(h, generator=gen)).to(wdt).requires_grad_()
+    dnormed = torch.randn(rows, h, generator=gen).to(torch.promote_types(rdt, wdt))
+    want_r, want_w = _add_norm_backward(rout, weight, 1e-6, dnormed, None)
+    got_r, got_w = add_norm_grads(rout, weight.detach(), 1e-6, dnormed)
+    assert got_r.dtype == want_r.dtype and got_w.dtype == want_w.dtype
+    rtol = 2e-2 if rdt == torch.bfloat16 else 1e-5          # one bf16 rounding / fp32 sums
+    for got, want in ((got_r, want_r), (got_w, want_w)):
+        torch.testing.assert_close(got.float(), want.float(), rtol=rtol,
+                                   atol=rtol * want.float().abs().max().item())

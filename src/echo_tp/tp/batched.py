@@ -28,7 +28,9 @@ batched GEMM may take another kernel and round differently, so there the fast pa
 per-shard path within float tolerance, not bit for bit (docs/usage/models.md).
 
 torch.compile: with TPContext.compile_blocks the two block functions run compiled, one graph each
-for every layer (weights come in as tensors, so no layer recompiles); the sites stay eager.
+for every layer (weights come in as tensors, so no layer recompiles), and so does the block
+boundary's backward (tp/sites.add_norm_grads: the RMSNorm's gradients written out, within float
+rounding of the autograd form the other paths run); the collectives stay eager.
 """
 from __future__ import annotations
 
@@ -87,7 +89,7 @@ def partials(kind: str, shards: nn.ModuleList, xs: torch.Tensor, args: tuple,
         kn = None if a.k_norm is None else [s.k_norm.weight for s in shards]
         eps = (0.0, 0.0) if a.q_norm is None else (a.q_norm.eps, a.k_norm.eps)
         bias = a.q_proj.bias is not None
-        fn = attention_partials if compiled is None else _compiled(compiled, attention_partials)
+        fn = attention_partials if compiled is None else compiled_fn(compiled, attention_partials)
         return fn(xs, args[1], args[2],
                   [s.q_proj.weight for s in shards], [s.k_proj.weight for s in shards],
                   [s.v_proj.weight for s in shards], [s.o_proj.weight for s in shards],
@@ -96,7 +98,7 @@ def partials(kind: str, shards: nn.ModuleList, xs: torch.Tensor, args: tuple,
                   [s.v_proj.bias for s in shards] if bias else None,
                   qn, kn, a.head_dim, eps)
     if kind == "mlp":
-        fn = mlp_partials if compiled is None else _compiled(compiled, mlp_partials)
+        fn = mlp_partials if compiled is None else compiled_fn(compiled, mlp_partials)
         return fn(xs, [s.gate_proj.weight for s in shards], [s.up_proj.weight for s in shards],
                   [s.down_proj.weight for s in shards])
     raise ValueError(f"unknown batched block kind {kind!r}; one of {KINDS}")
@@ -150,7 +152,7 @@ def _sequences(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(P * B, T, H, hd).transpose(1, 2)
 
 
-def _compiled(cache: dict, fn):
+def compiled_fn(cache: dict, fn):
     """fn through torch.compile, built on first use and kept in cache (one per function)."""
     if fn not in cache:
         cache[fn] = torch.compile(fn, fullgraph=True)

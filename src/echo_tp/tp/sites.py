@@ -45,6 +45,7 @@ from echo_tp.compensator import NormOutput
 from echo_tp.models.config import ModelConfig
 from echo_tp.norm import add_rmsnorm
 
+from .batched import compiled_fn
 from .policy import WidthPlan, site_width
 
 SEQ_DIM = 1
@@ -216,13 +217,19 @@ class ReduceAddNorm(torch.autograd.Function):
     def forward(ctx, partial, residual, weight, eps: float, site: Site):
         normed, rout = site.forward_reduce_add_norm(partial, residual, weight, eps)
         ctx.save_for_backward(rout, weight)
-        ctx.eps, ctx.shape = eps, partial.shape
+        ctx.eps, ctx.shape, ctx.tp = eps, partial.shape, site.tp
         return normed, rout
 
     @staticmethod
     def backward(ctx, dnormed, drout):
         rout, weight = ctx.saved_tensors
-        dr, dw = _add_norm_backward(rout, weight, ctx.eps, dnormed, drout)
+        if ctx.tp.compile_blocks and ctx.tp.simulated:    # the compiled batched path
+            dr, dw = compiled_fn(ctx.tp.compiled_blocks, add_norm_grads)(
+                rout, weight, ctx.eps, _dnormed(rout, weight, dnormed))
+            dr = dr if drout is None else dr + drout
+            dw = dw if weight.requires_grad else None
+        else:
+            dr, dw = _add_norm_backward(rout, weight, ctx.eps, dnormed, drout)
         dpartial = dr if len(ctx.shape) == dr.dim() else dr.unsqueeze(0).expand(ctx.shape)
         return dpartial, dr, dw, None, None
 
@@ -383,11 +390,33 @@ class AddNorm(torch.autograd.Function):
         return dr, dr, dw, None, None
 
 
+def _dnormed(rout, weight, dnormed):
+    """The normed output's gradient, zeros where autograd gave None."""
+    if dnormed is None:
+        dnormed = torch.zeros_like(rout, dtype=torch.promote_types(weight.dtype, rout.dtype))
+    return dnormed
+
+
+def add_norm_grads(rout, weight, eps: float, dnormed):
+    """The gradients (d residual_out, d weight) of normed = weight * (rf * rsqrt(mean(rf^2) +
+    eps)).to(r.dtype), rf = rout.float(), written out: what `_add_norm_backward` gets from
+    autograd, in the same dtypes, within float rounding (sums in another order). One graph for
+    torch.compile (the compiled batched path); rout [..., H], weight [H], dnormed rout's shape.
+        n = (rf * inv).to(r.dtype);  g = (dnormed * weight) as r.dtype, widened
+        d weight = sum over rows of dnormed * n;  d rf = g * inv - rf * inv^3 * mean(g * rf)"""
+    rf = rout.float()
+    inv = torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps)
+    n = (rf * inv).to(rout.dtype)
+    g = (dnormed * weight).to(rout.dtype).float()
+    dw = (dnormed * n).reshape(-1, n.shape[-1]).sum(0).to(weight.dtype)
+    drf = g * inv - rf * (inv * inv * inv) * (g * rf).mean(-1, keepdim=True)
+    return drf.to(rout.dtype), dw
+
+
 def _add_norm_backward(rout, weight, eps, dnormed, drout):
     """The gradients of residual_out and of the weight of (RMSNorm(r) * weight, r), r =
     residual_out (the models' RMSNorm formula, by autograd)."""
-    if dnormed is None:
-        dnormed = torch.zeros_like(rout, dtype=torch.promote_types(weight.dtype, rout.dtype))
+    dnormed = _dnormed(rout, weight, dnormed)
     with torch.enable_grad():
         r = rout.detach().requires_grad_()
         w = weight.detach().requires_grad_(weight.requires_grad)
