@@ -36,7 +36,7 @@ Header: before each release a sender stores its call word (flags.call_word: n, G
 QUANT, OUTLIER, X_KIND) beside the flag (recv by the entry, gath by the reduce); the reduce and
 the tail compare the word of every packet they waited for with their own (flags.same_call):
 a different call records the mismatch and aborts the rank, and y is NaN where the tile's
-waits or checks failed (`_or_nan`). The same
+waits or checks failed (`_store_y_or_nan`). The same
 kernels run on P GPUs (collective/p2p.py, buffers in symmetric memory) and on P simulated ranks
 in one process (collective/simulated_fused.py, the CPU test under TRITON_INTERPRET=1): stages
 launched in order entry(all ranks), reduce(all), tail(all) find every flag already set.
@@ -47,7 +47,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .flags import call_word, gated, same_call, signal, wait_geq
+from .flags import call_word, first_other_call, gated, refuse, same_call, signal, wait_geq
 from .quant_kernels import (F32_MAX, _cast_out, _cast_sat, _decode_regs, _dequant, _groups,
                             _lanes, _load_codes, _load_f32, _load_word, _put_outlier, _quantize,
                             _sat, _store_codes, _store_words, _word_scale)
@@ -155,10 +155,16 @@ def _headers(flags, P: tl.constexpr, stride):
 
 
 @triton.jit
-def _or_nan(v, ok):
-    """v, or NaN everywhere when ok (a scalar: the tile's waits and header checks) is
-    False: a failed call's output is NaN, never stale memory."""
-    return tl.where(ok, v, float("nan"))
+def _store_y_or_nan(y_ptr, res_ptr, e, emask, y32, ok, X_KIND: tl.constexpr,
+                    ADD: tl.constexpr):
+    """_store_y where ok (a scalar: the tile's waits and header checks), else NaN at e: a
+    failed call's output is NaN, never stale memory. The path that runs when ok is the gated
+    store alone (the NaN stores sit behind a branch on the scalar)."""
+    _store_y(y_ptr, res_ptr, e, gated(emask, ok), y32, X_KIND, ADD)
+    failed = ok == 0
+    if failed:
+        _store_y(y_ptr, res_ptr, e, emask, tl.full(y32.shape, float("nan"), tl.float32),
+                 X_KIND, ADD)
 
 
 @triton.jit
@@ -346,10 +352,8 @@ def _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_ptr
             if r != RANK:
                 ok = ok & wait_geq(flags + r * stride + t, ep, abort, err_rec, RANK, 1, t, r,
                                    timeout, USE_TIMER)
-        for r in tl.static_range(P):                       # the senders made this call
-            if r != RANK:
-                ok = same_call(_headers(flags, P, stride) + r * stride + t, mine, ok, abort,
-                               err_rec, RANK, 4, t, r)
+        peer, seen = first_other_call(_headers(flags, P, stride), stride, t, mine, RANK, P)
+        ok = refuse(ok, peer, seen, mine, abort, err_rec, RANK, 4, t)   # the senders' calls
     for c in tl.range(0, BG // SG):
         if HALF == 2:
             grp, gmask, e, emask = _step_ids(t, c, 0, seg, groups, n, BG, SG, GS, VT)
@@ -362,8 +366,8 @@ def _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_ptr
         if HALF == 1:
             if SCALED:
                 acc = acc * tl.math.div_rn(tl.full([], 1.0, tl.float32), f)
-            _store_y(y_ptr, res_ptr, e - _slot(RANK, seg), emask, _or_nan(acc, ok), X_KIND,
-                     False)                                # y [seg]: chunk RANK of the sum
+            _store_y_or_nan(y_ptr, res_ptr, e - _slot(RANK, seg), emask, acc, ok, X_KIND,
+                            False)                                # y [seg]: chunk RANK of the sum
             if LOCAL:
                 _update(m1_ptr, m2_ptr, e, gated(emask, ok), m1, m2, tl.zeros_like(acc), b1,
                         omb1, b2, omb2, COMP)
@@ -389,7 +393,7 @@ def _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_ptr
                     inv = tl.math.div_rn(tl.full([], 1.0, tl.float32), f)
                     y32 = y32 * inv
                 if OWN_Y:
-                    _store_y(y_ptr, res_ptr, e, emask, _or_nan(y32, ok), X_KIND, ADD)
+                    _store_y_or_nan(y_ptr, res_ptr, e, emask, y32, ok, X_KIND, ADD)
                 if LOCAL:
                     if SCALED:
                         u = acc * inv - _as_f32_of_out(y32, X_KIND)
@@ -461,7 +465,7 @@ def _tail_tile(t, j, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_pt
         #                                                         saturates below
         if SCALED:
             y32 = y32 * tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.load(fs_ptr))
-        _store_y(y_ptr, res_ptr, e, ymask, _or_nan(y32, ok), X_KIND, ADD)
+        _store_y_or_nan(y_ptr, res_ptr, e, ymask, y32, ok, X_KIND, ADD)
         if OUTPUT:
             xp, m1, m2 = _x_prime(x_ptr, m1_ptr, m2_ptr, e, emask, eta, a, oma, X_KIND, COMP)
             yf = _as_f32_of_out(y32, X_KIND)

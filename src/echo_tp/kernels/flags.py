@@ -110,17 +110,39 @@ def call_word(n, GS: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
 
 
 @triton.jit
-def same_call(hdr_ptr, mine, ok, abort_ptr, err_ptr, rank, stage, tile, peer):
-    """After a wait (ok: it saw its flag): the peer's call word at hdr_ptr, written before that
-    flag, against this rank's (mine). A different word records (stage, tile, peer, seen = the
-    peer's word, wanted = mine) and aborts this rank. Returns ok and the words equal."""
-    seen = tl.load(hdr_ptr, volatile=True)
-    same = seen == mine
+def first_other_call(hdr_ptr, stride, t, mine, RANK: tl.constexpr, P: tl.constexpr):
+    """The call words hdr_ptr[r * stride + t] of the peers r != RANK (each written before the
+    flag this rank waited for) against this rank's (mine) -> (the first peer whose word
+    differs, or -1; its word, or mine)."""
+    peer = tl.full([], -1, tl.int32)
+    seen = mine
+    for r in tl.static_range(P):
+        if r != RANK:
+            w = tl.load(hdr_ptr + r * stride + t, volatile=True)
+            first = (w != mine) & (peer < 0)
+            peer = tl.where(first, r, peer)
+            seen = tl.where(first, w, seen)
+    return peer, seen
+
+
+@triton.jit
+def refuse(ok, peer, seen, mine, abort_ptr, err_ptr, rank, stage, tile):
+    """After waits that saw their flags (ok): a peer (>= 0) whose call word (seen) differs from
+    this rank's (mine) is recorded (stage, tile, peer, seen, wanted = mine) and aborts this
+    rank. Returns ok and no such peer."""
     if ok:
-        if seen != mine:
+        if peer >= 0:
             record_error(abort_ptr, err_ptr, rank, stage, tile, peer, seen, mine)
     tl.debug_barrier()
-    return ok & same
+    return ok & (peer < 0)
+
+
+@triton.jit
+def same_call(hdr_ptr, mine, ok, abort_ptr, err_ptr, rank, stage, tile, peer):
+    """`refuse` for one peer's call word at hdr_ptr -> ok and the words equal."""
+    seen = tl.load(hdr_ptr, volatile=True)
+    return refuse(ok, tl.where(seen != mine, peer, -1), seen, mine, abort_ptr, err_ptr, rank,
+                  stage, tile)
 
 
 @triton.jit

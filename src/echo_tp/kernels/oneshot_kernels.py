@@ -53,7 +53,7 @@ import triton.language as tl
 from ..norm_reference import LANES, MAX_HIDDEN, add_rmsnorm_reference
 from .allreduce_kernels import _buffer
 from .launcher import launch
-from .flags import call_word, same_call, signal, wait_geq
+from .flags import call_word, first_other_call, refuse, signal, wait_geq
 from .norm_kernels import _as_f32, _inv_rms, _normalize_row
 from .quant_kernels import DTYPE_KIND, _cast_out, _load_f32
 
@@ -140,11 +140,8 @@ def _wait_peers(t, ep, word, table_ptr, flags_off, max_tiles, timeout, RANK: tl.
         if r != RANK:
             ok = ok & wait_geq(flags + r * max_tiles + t, ep, abort, err_rec,
                                RANK, 3, t, r, timeout, USE_TIMER)
-    for r in tl.static_range(P):
-        if r != RANK:
-            ok = same_call(abort + 1 + r * max_tiles + t, word, ok, abort, err_rec, RANK, 6, t,
-                           r)
-    return ok
+    peer, seen = first_other_call(abort + 1, max_tiles, t, word, RANK, P)
+    return refuse(ok, peer, seen, word, abort, err_rec, RANK, 6, t)
 
 
 @triton.jit
