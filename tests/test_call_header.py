@@ -80,3 +80,26 @@ def test_carried_calls_agree_on_their_fixed_part_once():
     for rank, r in enumerate(run_ranks(2, _carried_agreement)):
         assert r["carried"] == 1 and r["exact"] == 3, (rank, r)
         assert r["error"] and "bits=4" in r["error"] and "bits=8" in r["error"], (rank, r)
+
+
+def test_room_holds_grows_and_refuses():
+    """allreduce_plan.Room: a call's layout inside a room keeps the room's slot, flag stride and
+    bytes (so calls of any length address the same words), a call the room cannot hold is
+    refused, growth at least doubles what grows and keeps what does not."""
+    from echo_tp.config import EchoConfig
+    from echo_tp.kernels import allreduce_plan as ap
+    spec4, spec8 = EchoConfig(bits=4).quant_spec(), EchoConfig(bits=8).quant_spec()
+    big = ap.Layout.needs(100_000, 4, spec8, 1024)
+    for n, spec in ((1, spec4), (777, spec8), (100_000, spec4), (100_000, spec8)):
+        lay = ap.Layout.build(n, 4, spec, 1024, room=big)
+        assert (lay.slot, lay.stride, lay.nbytes) == (big.slot, big.tiles, big.nbytes(4))
+        assert lay.tiles <= lay.stride and lay.scale_off < lay.slot
+        words = (lay.nbytes - lay.flags_off) // 8          # flags, abort, headers: in the buffer
+        assert 4 * 4 * lay.stride + 1 <= words
+    with pytest.raises(ValueError, match="needs Room"):
+        ap.Layout.build(200_000, 4, spec8, 1024, room=big)
+    small = ap.Room(256, 2)
+    assert small.grown(ap.Room(300, 1)) == ap.Room(512, 2)             # doubles the slot
+    assert small.grown(ap.Room(2000, 9)) == ap.Room(2000, 9)           # or takes the need
+    assert big.grown(big) == big and big.holds(small) and not small.holds(big)
+    assert small.union(ap.Room(100, 5)) == ap.Room(256, 5)
