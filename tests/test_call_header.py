@@ -103,3 +103,63 @@ def test_room_holds_grows_and_refuses():
     assert small.grown(ap.Room(2000, 9)) == ap.Room(2000, 9)           # or takes the need
     assert big.grown(big) == big and big.holds(small) and not small.holds(big)
     assert small.union(ap.Room(100, 5)) == ap.Room(256, 5)
+
+
+class _FakeTransport:
+    """The p2p backend's transport, its peers' needs given: all_gather_ints returns this rank's
+    values and each peer's (kind, slot, tiles)."""
+
+    def __init__(self, peers):
+        self.peers, self.calls = peers, []
+
+    def all_gather_ints(self, values, *, device, stage):
+        self.calls.append((tuple(values), stage))
+        return [tuple(values), *self.peers(values)]
+
+
+def test_p2p_workspace_grows_only_when_a_call_needs_it(monkeypatch):
+    """P2PBackend's host side without a GPU (its buffers faked): one workspace per kind; a call
+    the room holds runs on it with no agreement, whatever its length; a larger one grows it
+    once, to hold every rank's need, at least doubling; the old one is kept (graphs); a peer
+    growing another kind is refused on this rank; growth inside graph capture is refused."""
+    from echo_tp.collective import p2p
+    from echo_tp.config import EchoConfig
+    from echo_tp.kernels import allreduce_plan as ap
+
+    class FakeWorkspace:
+        def __init__(self, room, group, rank, world, device, err):
+            self.room = room
+
+    monkeypatch.setattr(p2p, "_Workspace", FakeWorkspace)
+    monkeypatch.setattr(p2p, "_HalfWorkspaces", FakeWorkspace)
+    b = object.__new__(p2p.P2PBackend)
+    b.world_size, b.rank, b.group, b.device, b._err = 2, 0, None, torch.device("cpu"), None
+    b._ws, b._retired = {}, []
+    peer_need = {"slot": 0, "tiles": 0}
+    b.transport = _FakeTransport(lambda v: [(v[0], max(v[1], peer_need["slot"]),
+                                             max(v[2], peer_need["tiles"]))])
+    cfg, tile = EchoConfig(bits=4), 1024
+    x = lambda n: torch.empty(n, dtype=torch.bfloat16)             # noqa: E731
+    spec = cfg.quant_spec()
+    ws, lay = b._workspace(x(100_000), cfg, tile)
+    assert len(b.transport.calls) == 1 and ws.room == ap.Layout.needs(100_000, 2, spec, tile)
+    for n in (1, 5_000, 99_999, 100_000):                           # held: no agreement
+        ws2, lay = b._workspace(x(n), cfg, tile)
+        assert ws2 is ws and lay.room == ws.room and len(b.transport.calls) == 1
+    peer_need["slot"] = 10 * ws.room.slot                           # a peer needs more
+    ws3, _ = b._workspace(x(120_000), cfg, tile)                    # larger: one agreement
+    assert len(b.transport.calls) == 2 and b._retired == [ws]
+    assert ws3.room.slot == 10 * ws.room.slot and ws3.room.tiles >= ws.room.tiles
+    ws4, _ = b._workspace(x(150_000), cfg, tile)                    # within the peer's need
+    assert ws4 is ws3 and len(b.transport.calls) == 2
+    hw, _ = b._workspace(x(4096), cfg, tile, "all_gather")          # another kind: its own
+    assert hw is not ws3 and b._ws["all_gather"] is hw and len(b.transport.calls) == 3
+    b.transport = _FakeTransport(lambda v: [(ap.HALF_CODES["reduce_scatter"], *v[1:])])
+    with pytest.raises(ValueError, match="collective calls differ across ranks: rank 0 grows "
+                                         "the workspace of all_reduce, rank 1 grows the "
+                                         "workspace of reduce_scatter"):
+        b._workspace(x(10_000_000), cfg, tile)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="inside CUDA graph capture"):
+        b._workspace(x(20_000_000), cfg, tile)

@@ -266,7 +266,7 @@ class P2PBackend(Backend):
         grown to hold all of them (at least doubling what grows), the new buffers allocated
         (a collective) and the old ones kept alive (CUDA graphs captured on them replay)."""
         kind = allreduce_plan.HALF_CODES[half]
-        if torch.cuda.is_current_stream_capturing():
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 f"echo-tp p2p: a {_KIND_NAMES[kind]} call needs {need}, more than the "
                 f"workspace holds ({old.room if old is not None else 'none yet'}), inside CUDA "
