@@ -4,7 +4,7 @@ symmetric memory.
 The dispatcher asks collective/routing.py whether a call comes here and with which kernel plan
 (`Route`: form, tile, step, warps, overlap); this backend runs it:
 
-    fused   one launch: entry, reduce and tail of every tile, per-program epochs bumped by
+    fused   one launch: entry, reduce and tail of every tile, the epoch bumped by
             the kernel itself (no host work per call beyond the launch);
     staged  epoch += 1 (device), entry (quantize + push), then reduce (owner sum, requantize,
             push to all, y of the own segment) and tail (decode the other owners' packets),

@@ -202,7 +202,7 @@ def _static_args(lay: Layout, cfg: EchoConfig, rank: int, dtype: torch.dtype, co
 class CallPlan:
     """Everything one rank's launches of one call need (built per call, no device sync):
     either the stage kernels (entry, reduce, tail or reduce_tail: `epoch` bumped by the host)
-    or the single fused kernel (`fused`: per-program epochs bumped by the kernel)."""
+    or the single fused kernel (`fused`: the epoch bumped by the kernel itself)."""
 
     rank: int
     lay: Layout
