@@ -228,7 +228,8 @@ def test_rank_parameters_sees_reassigned_parameters():
     assert rank_parameters(model, 0)[name] is model.model.layers[0].mlp.shards[0].gate_proj.weight
 
 
-@pytest.mark.parametrize("rdt,wdt", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+@pytest.mark.parametrize("rdt,wdt", [(torch.float32, torch.float32),
+                                     (torch.float32, torch.bfloat16),
                                      (torch.bfloat16, torch.bfloat16)])
 def test_add_norm_grads_written_out_match_autograd(rdt, wdt):
     """The boundary backward the compiled batched path runs (sites.add_norm_grads, one graph)

@@ -34,7 +34,7 @@ P buffers' addresses as seen from this rank, then the address of its error recor
 have `stride` tiles (the room's: calls of any length share the buffer, `tiles` is the call's).
 Header: before each release a sender stores its call word (flags.call_word: n, GS, BITS,
 QUANT, OUTLIER, X_KIND) beside the flag (recv by the entry, gath by the reduce); the reduce and
-the tail compare the word of every packet they waited for with their own (flags.same_call):
+the tail compare the word of every packet they waited for with their own (flags.refuse):
 a different call records the mismatch and aborts the rank, and y is NaN where the tile's
 waits or checks failed (`_store_y_or_nan`). The same
 kernels run on P GPUs (collective/p2p.py, buffers in symmetric memory) and on P simulated ranks
@@ -505,7 +505,8 @@ def reduce_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, epoch_ptr, tabl
     ADD: residual + y); HALF 1: the reduce-scatter's reduce, 2: the all-gather's entry
     (`_reduce_tile`)."""
     _reduce_tile(tl.program_id(0), tl.load(epoch_ptr), x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr,
-                 fs_ptr, table_ptr, n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, stride,
+                 fs_ptr, table_ptr, n, seg, groups, slot, scale_off, zero_off, flags_off, tiles,
+                 stride,
                  timeout, eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, VT, BITS,
                  QUANT, LEVELS, QMAX, COMP, SCALED, LOCAL, USE_TIMER, OWN_Y, ADD, HALF, OUTLIER)
 
@@ -524,7 +525,8 @@ def tail_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, epoch_ptr, table_
     ADD: stores residual + y."""
     j = (RANK + FIRST + tl.program_id(1)) % P
     _tail_tile(tl.program_id(0), j, tl.load(epoch_ptr), x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr,
-               fs_ptr, table_ptr, n, seg, groups, slot, scale_off, zero_off, flags_off, tiles, stride,
+               fs_ptr, table_ptr, n, seg, groups, slot, scale_off, zero_off, flags_off, tiles,
+               stride,
                timeout, eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, VT, BITS, QUANT,
                QMAX, PF, COMP, SCALED, OUTPUT, USE_TIMER, ADD, OUTLIER)
 
@@ -628,7 +630,8 @@ def fused_kernel(x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, epochs_ptr, tabl
         for i in tl.static_range(P - 1):
             _entry_tile(t, (RANK + 1 + i) % P, ep, x_ptr, m1_ptr, m2_ptr, fs_ptr,
                         table_ptr, n, seg, groups, slot, scale_off, zero_off, flags_off,
-                        tiles, stride, eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG, GS, VT,
+                        tiles, stride, eta, a, oma, b1, omb1, b2, omb2, RANK, P, X_KIND, BG, SG,
+                        GS, VT,
                         BITS, QUANT, LEVELS, QMAX, COMP, SCALED, LOCAL, OUTLIER)
         t += G
     t = c
