@@ -64,6 +64,8 @@ STUDY_TOKENS = 10_000_000
 TELEMETRY_EVERY = 100
 TP = 3
 COMPILE = True
+RANDOM = "random"
+"""--speed-data value: the testbed rows on seeded random ids (no token file)."""
 EVAL_WINDOWS = 256
 SPEED = {  # name -> (model args, simulate, comm, graph)
     "smollm2-plain": (["--init-from", str(MODEL)], 1, "16", False),
@@ -117,14 +119,18 @@ def train_args(out: Path, *, model: list[str], simulate: int, comm: str, steps: 
     return args
 
 
-def testbed_tokens(source: Path, out: Path) -> Path:
+def testbed_tokens(source: Path, out: Path, tokens: int = 2_000_000) -> Path:
     """The testbed's vocabulary is 8,192: its speed rows read the source's ids mod 8,192 (the
-    content does not matter to tokens/s)."""
+    content does not matter to tokens/s); source `random` (RANDOM): `tokens` seeded random
+    ids, so the testbed rows need no data carried."""
     import numpy as np
 
     from echo_tp.models.tokenize import load_tokens, write_tokens
-    ids = load_tokens(source).numpy().astype(np.int64) % 8192
-    write_tokens(ids, out, vocab_size=8192, meta={"eos_id": 0, "source": source.name})
+    if str(source) == RANDOM:
+        ids = np.random.default_rng(0).integers(0, 8192, tokens, dtype=np.int64)
+    else:
+        ids = load_tokens(source).numpy().astype(np.int64) % 8192
+    write_tokens(ids, out, vocab_size=8192, meta={"eos_id": 0, "source": Path(source).name})
     return out
 
 
@@ -164,8 +170,11 @@ def prep(gguf: str) -> None:
 
 
 def row_data(out: Path, models: tuple[str, ...], source: Path | None) -> dict:
-    """model -> (train, val) token files of its SPEED rows (source: default smol-train.bin)."""
+    """model -> (train, val) token files of its SPEED rows (source: default smol-train.bin;
+    `random`: the testbed rows only, on random ids)."""
     source = source or DATA / "smol-train.bin"
+    if str(source) == RANDOM and "smollm2" in models:
+        raise SystemExit("--speed-data random serves the testbed rows only (--models testbed)")
     data = {"smollm2": (source, source)}
     if "testbed" in models:
         out.mkdir(parents=True, exist_ok=True)
@@ -394,7 +403,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="speed, profile: the rows of these models")
     p.add_argument("--speed-data", type=Path, default=None,
                    help="speed, profile: the token file read (default "
-                        ".work/data/smol-train.bin)")
+                        ".work/data/smol-train.bin; 'random': the testbed rows on random ids)")
     p.add_argument("--configs", nargs="+", default=None, help="study: a subset of CONFIGS")
     p.add_argument("--seeds", nargs="+", type=int, default=None, help="study: a subset of SEEDS")
     a = p.parse_args(argv)

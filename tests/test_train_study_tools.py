@@ -203,7 +203,7 @@ def test_real_llm_profile_dry_run(tmp_path, monkeypatch):
         monkeypatch.setattr(study, name, value)
     monkeypatch.chdir(ROOT)
     out = tmp_path / "profile"
-    table = study.profile(out, steps=2, models=("testbed",), source=source)
+    table = study.profile(out, steps=2, models=("testbed",), source=Path(study.RANDOM))
     rows = table["rows"]
     assert sorted(rows) == ["testbed-plain-graph", "testbed-tp2-graph"]
     for row in rows.values():
@@ -225,3 +225,5 @@ def test_real_llm_profile_dry_run(tmp_path, monkeypatch):
     assert sorted(table["rows"]) == ["smollm2-plain-graph", "testbed-plain-graph",
                                      "testbed-tp2-graph"]
     assert table["rows"]["smollm2-plain-graph"]["steps"] == 1
+    with pytest.raises(SystemExit, match="testbed rows only"):      # random ids: no SmolLM2 row
+        study.profile(out, steps=1, models=("smollm2",), source=Path(study.RANDOM))
