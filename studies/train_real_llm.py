@@ -183,17 +183,21 @@ def row_data(out: Path, models: tuple[str, ...], source: Path | None) -> dict:
     return data
 
 
+def row_runs(out: Path, names: list[str], data: dict, steps: int, extra: tuple) -> dict:
+    """SPEED rows -> their train commands (out/NAME, `steps` steps, data: row_data's)."""
+    return {name: train_args(out / name, model=SPEED[name][0], simulate=SPEED[name][1],
+                             comm=SPEED[name][2], steps=steps, lr=1e-4, graph=SPEED[name][3],
+                             extra=extra, data=data[name.split("-")[0]])
+            for name in names}
+
+
 def speed(out: Path, steps: int, models: tuple[str, ...] = ("smollm2", "testbed"),
           source: Path | None = None) -> dict:
     """The SPEED rows of `models`, one run at a time (source: the token file read, default
     smol-train.bin); merged into OUT/speed.json, each row's ratio to the faster of its model's
     plain rows (with and without the graph)."""
     names = [n for n in SPEED if n.split("-")[0] in models]
-    data = row_data(out, models, source)
-    runs = {name: train_args(out / name, model=SPEED[name][0], simulate=SPEED[name][1],
-                             comm=SPEED[name][2], steps=steps, lr=1e-4, graph=SPEED[name][3],
-                             extra=("--eval-batches", "1"), data=data[name.split("-")[0]])
-            for name in names}
+    runs = row_runs(out, names, row_data(out, models, source), steps, ("--eval-batches", "1"))
     launch(runs, out / "logs", parallel=False)
     path = out / "speed.json"
     rows = json.loads(path.read_text()) if path.is_file() else {}
@@ -298,12 +302,8 @@ def profile(out: Path, steps: int = PROFILE_STEPS,
     steps under the profiler (module docstring); merged into OUT/profile.json, written out as
     OUT/profile.txt."""
     names = [n for n in SPEED if n.split("-")[0] in models and SPEED[n][3]]
-    data = row_data(out, models, source)
-    runs = {name: train_args(out / name, model=SPEED[name][0], simulate=SPEED[name][1],
-                             comm=SPEED[name][2], steps=PROFILE_AFTER + steps, lr=1e-4,
-                             graph=SPEED[name][3], data=data[name.split("-")[0]],
-                             extra=("--eval-batches", "1", "--profile-steps", str(steps)))
-            for name in names}
+    runs = row_runs(out, names, row_data(out, models, source), PROFILE_AFTER + steps,
+                    ("--eval-batches", "1", "--profile-steps", str(steps)))
     for name in names:                     # a run that fails leaves no earlier run's file
         (out / name / "profile.json").unlink(missing_ok=True)
     launch(runs, out / "logs", parallel=False)

@@ -106,13 +106,13 @@ def mismatch(what: str, seed: int, device) -> None:
     cfgs = [EchoConfig(bits=b, quantizer=q) for _, b, q, _ in calls]
     ws = _room_after_a_good_call(sim, calls, cfgs, seed, device)
     plans, ys = [], []
+    ws["epoch"].add_(1)                                    # a new call on every rank
     for r, ((n, bits, q, dtype), cfg) in enumerate(zip(calls, cfgs)):
-        ws["epochs"][r].add_(1)
         lay = ap.Layout.build(n, P, cfg.quant_spec(), TILE, room=ws["room"])
         x = _x(1, n, dtype, seed + 1 + r, device)[0]
         ys.append(torch.zeros_like(x))                     # zeros: the kernels must overwrite
         plans.append(ap.CallPlan(rank=r, lay=lay, cfg=cfg, x=x, state=None, fs=None,
-                                 epoch=ws["epochs"][r], table=ws["tables"][r], timeout=50,
+                                 epoch=ws["epoch"][r:r + 1], table=ws["tables"][r], timeout=50,
                                  use_timer=False, num_warps=4, step_elems=TILE))
     for stage in ("entry", "reduce", "tail"):
         for r, plan in enumerate(plans):
@@ -135,15 +135,15 @@ def half_mismatch(kind: str, seed: int, device) -> None:
     ws = _room_after_a_good_call(sim, [(mr, *c[1:]) for mr, c in zip(m, calls)], [cfg] * P,
                                  seed, device, halves=True)
     plans, ys = [], []
+    ws["epoch"].add_(1)                                    # a new call on every rank
     for r in range(P):
-        ws["epochs"][r].add_(1)
         lay = ap.Layout.build(m[r] * P, P, cfg.quant_spec(), TILE, room=ws["room"])
         n_in = m[r] * P if kind == "reduce_scatter" else m[r]
         x = _x(1, n_in, torch.bfloat16, seed + 1 + r, device)[0]
         ys.append(torch.zeros(m[r] if kind == "reduce_scatter" else m[r] * P,
                               dtype=torch.bfloat16, device=device))
         plans.append(ap.CallPlan(rank=r, lay=lay, cfg=cfg, x=x, state=None, fs=None,
-                                 epoch=ws["epochs"][r], table=ws["tables"][r], timeout=50,
+                                 epoch=ws["epoch"][r:r + 1], table=ws["tables"][r], timeout=50,
                                  use_timer=False, num_warps=4, step_elems=TILE, half=kind))
     stages = ("entry", "reduce") if kind == "reduce_scatter" else ("encode", "tail")
     for stage in stages:

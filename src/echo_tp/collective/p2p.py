@@ -252,11 +252,11 @@ class P2PBackend(Backend):
         length: the packet headers carry it (module docstring)."""
         spec = cfg.quant_spec()
         numel = x.numel() * (self.world_size if half == "all_gather" else 1)
-        need = allreduce_plan.Layout.needs(numel, self.world_size, spec, tile)
+        lay = allreduce_plan.Layout.build(numel, self.world_size, spec, tile)
         ws = self._ws.get(half)
-        if ws is None or not ws.room.holds(need):
-            ws = self._grow(half, need, ws)
-        return ws, allreduce_plan.Layout.build(numel, self.world_size, spec, tile, room=ws.room)
+        if ws is None or not ws.room.holds(lay.room):
+            ws = self._grow(half, lay.room, ws)
+        return ws, lay.within(ws.room)
 
     def _grow(self, half: str | None, need: allreduce_plan.Room,
               old: _Workspace | _HalfWorkspaces | None) -> _Workspace | _HalfWorkspaces:

@@ -53,10 +53,10 @@ class SimulatedFused:
         """The buffers of every call on `device` (one room, as the p2p backend's: grown, on
         fresh buffers, when a call does not fit) and this call's layout in them ('lay')."""
         P, key = self.world_size, str(device)
-        need = Layout.needs(n, P, spec, self.tile_elems)
+        lay = Layout.build(n, P, spec, self.tile_elems)
         ws = self._ws.get(key)
-        if ws is None or not ws["room"].holds(need):
-            room = need if ws is None else ws["room"].grown(need)
+        if ws is None or not ws["room"].holds(lay.room):
+            room = lay.room if ws is None else ws["room"].grown(lay.room)
             nbytes = room.nbytes(P)
             bufs = [torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
                     for _ in range(P)]                     # poison: unwritten bytes are noise
@@ -69,9 +69,8 @@ class SimulatedFused:
                                    dtype=torch.int64, device=device) for r in range(P)]
             epoch = torch.zeros(P, dtype=torch.int64, device=device)    # every rank's, one
             ws = self._ws[key] = dict(room=room, bufs=bufs, errs=errs, tables=tables,
-                                      epoch=epoch, epochs=list(epoch.view(P, 1).unbind(0)),
-                                      errs_np=[e.numpy() for e in errs])
-        ws["lay"] = Layout.build(n, P, spec, self.tile_elems, room=ws["room"])
+                                      epoch=epoch, errs_np=[e.numpy() for e in errs])
+        ws["lay"] = lay.within(ws["room"])
         return ws
 
     def __call__(self, x: torch.Tensor, cfg: EchoConfig, *, state: CompState | None,
@@ -164,7 +163,7 @@ class SimulatedFused:
             plans.append(CallPlan(rank=r, lay=ws["lay"], cfg=cfg, x=x[r],
                                   state=_rank_state(state, r),
                                   fs=None if fs is None else fs[r].contiguous(),
-                                  epoch=ws["epochs"][r], table=ws["tables"][r],
+                                  epoch=ws["epoch"][r:r + 1], table=ws["tables"][r],
                                   timeout=self.timeout, use_timer=False,
                                   num_warps=self.num_warps,
                                   step_elems=min(self.step_elems, self.tile_elems),

@@ -20,7 +20,7 @@ halves' own rounding errors ('local'), whatever cfg.residual says.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -94,12 +94,8 @@ class Layout:
     outlier_off: int
     flags_off: int
     nbytes: int
-    stride: int = 0
-    """Tiles per flag array (the room's); 0: tiles."""
-
-    def __post_init__(self):
-        if self.stride == 0:
-            object.__setattr__(self, "stride", self.tiles)
+    stride: int
+    """Tiles per flag array (the room's)."""
 
     @property
     def room(self) -> Room:
@@ -122,12 +118,20 @@ class Layout:
         zero_off = scale_off + words
         outlier_off = zero_off + (words if spec.has_zero else 0)
         end = outlier_off + (words if spec.outlier else 0)
-        need = Room(_align(end, 256), tiles)
-        room = room or need
-        if not room.holds(need):
-            raise ValueError(f"a call of {numel} values needs {need}, the workspace has {room}")
-        return cls(world_size, seg, groups, bg, tiles, room.slot, scale_off, zero_off,
-                   outlier_off, room.flags_off(world_size), room.nbytes(world_size), room.tiles)
+        own = Room(_align(end, 256), tiles)
+        lay = cls(world_size, seg, groups, bg, tiles, own.slot, scale_off, zero_off,
+                  outlier_off, own.flags_off(world_size), own.nbytes(world_size), own.tiles)
+        return lay if room is None else lay.within(room)
+
+    def within(self, room: Room) -> "Layout":
+        """This call's layout in a buffer of `room` (its slot, flag stride and bytes);
+        ValueError when the call does not fit."""
+        if not room.holds(self.room):
+            raise ValueError(f"a call of {self.world_size} segments of {self.seg} values needs "
+                             f"{self.room}, the workspace has {room}")
+        P = self.world_size
+        return replace(self, slot=room.slot, flags_off=room.flags_off(P),
+                       nbytes=room.nbytes(P), stride=room.tiles)
 
     @staticmethod
     def needs(numel: int, world_size: int, spec: QuantSpec, tile_elems: int) -> Room:

@@ -14,8 +14,8 @@ an earlier call can never satisfy a later one.
 
 Error record: int64 words at an address the host can read without a device sync (pinned host
 memory, reached through unified addressing): [set, rank, stage, tile, peer, seen, wanted]; a
-timeout (stages 1-3: seen/wanted are flag values) or a call mismatch (stages 4-5: the peer's
-call word and this rank's, `call_word` / `same_call`).
+timeout (stages 1-3: seen/wanted are flag values) or a call mismatch (stages 4-6: the peer's
+call word and this rank's, `call_word` / `refuse`).
 The rank's abort word (device memory) is claimed with a CAS, so one record is written and every
 other wait of that rank stops at once; the host raises at its next call (`check_error`).
 """

@@ -53,7 +53,7 @@ import triton.language as tl
 from ..norm_reference import LANES, MAX_HIDDEN, add_rmsnorm_reference
 from .allreduce_kernels import _buffer
 from .launcher import launch
-from .flags import call_word, first_other_call, refuse, signal, wait_geq
+from .flags import call_word, first_other_call, gated, refuse, signal, wait_geq
 from .norm_kernels import _as_f32, _inv_rms, _normalize_row
 from .quant_kernels import DTYPE_KIND, _cast_out, _load_f32
 
@@ -186,7 +186,9 @@ def oneshot_kernel(x_ptr, y_ptr, epochs_ptr, table_ptr, n, tiles, slot, flags_of
             e = t.to(tl.int64) * TILE + tl.arange(0, TILE)
             m = e < n
             acc = _rank_sum(x_ptr, own, e, m, ep, slot, RANK, P, X_KIND)
-            tl.store(y_ptr + e, _cast_out(tl.where(ok, acc, float("nan")), X_KIND), mask=m)
+            tl.store(y_ptr + e, _cast_out(acc, X_KIND), mask=gated(m, ok))
+            if ok == 0:                                            # a refused tile: NaN
+                tl.store(y_ptr + e, _cast_out(acc * float("nan"), X_KIND), mask=m)
             t += G
     if PHASES != 2:
         tl.debug_barrier()

@@ -223,13 +223,10 @@ class ReduceAddNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dnormed, drout):
         rout, weight = ctx.saved_tensors
+        grads = None
         if ctx.tp.compile_blocks and ctx.tp.simulated:    # the compiled batched path
-            dr, dw = compiled_fn(ctx.tp.compiled_blocks, add_norm_grads)(
-                rout, weight, ctx.eps, _dnormed(rout, weight, dnormed))
-            dr = dr if drout is None else dr + drout
-            dw = dw if weight.requires_grad else None
-        else:
-            dr, dw = _add_norm_backward(rout, weight, ctx.eps, dnormed, drout)
+            grads = compiled_fn(ctx.tp.compiled_blocks, add_norm_grads)
+        dr, dw = _add_norm_backward(rout, weight, ctx.eps, dnormed, drout, grads)
         dpartial = dr if len(ctx.shape) == dr.dim() else dr.unsqueeze(0).expand(ctx.shape)
         return dpartial, dr, dw, None, None
 
@@ -390,17 +387,10 @@ class AddNorm(torch.autograd.Function):
         return dr, dr, dw, None, None
 
 
-def _dnormed(rout, weight, dnormed):
-    """The normed output's gradient, zeros where autograd gave None."""
-    if dnormed is None:
-        dnormed = torch.zeros_like(rout, dtype=torch.promote_types(weight.dtype, rout.dtype))
-    return dnormed
-
-
 def add_norm_grads(rout, weight, eps: float, dnormed):
     """The gradients (d residual_out, d weight) of normed = weight * (rf * rsqrt(mean(rf^2) +
     eps)).to(r.dtype), rf = rout.float(), written out: what `_add_norm_backward` gets from
-    autograd, in the same dtypes, within float rounding (sums in another order). One graph for
+    autograd (`_autograd_norm_grads`), in the same dtypes, within float rounding (sums in another order). One graph for
     torch.compile (the compiled batched path); rout [..., H], weight [H], dnormed rout's shape.
         n = (rf * inv).to(r.dtype);  g = (dnormed * weight) as r.dtype, widened
         d weight = sum over rows of dnormed * n;  d rf = g * inv - rf * inv^3 * mean(g * rf)"""
@@ -413,10 +403,8 @@ def add_norm_grads(rout, weight, eps: float, dnormed):
     return drf.to(rout.dtype), dw
 
 
-def _add_norm_backward(rout, weight, eps, dnormed, drout):
-    """The gradients of residual_out and of the weight of (RMSNorm(r) * weight, r), r =
-    residual_out (the models' RMSNorm formula, by autograd)."""
-    dnormed = _dnormed(rout, weight, dnormed)
+def _autograd_norm_grads(rout, weight, eps: float, dnormed):
+    """(d residual_out, d weight or None) of the models' RMSNorm formula, by autograd."""
     with torch.enable_grad():
         r = rout.detach().requires_grad_()
         w = weight.detach().requires_grad_(weight.requires_grad)
@@ -424,8 +412,17 @@ def _add_norm_backward(rout, weight, eps, dnormed, drout):
         normed = w * (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps)).to(r.dtype)
         want = (r, w) if w.requires_grad else (r,)
         grads = torch.autograd.grad(normed, want, dnormed, allow_unused=True)
-    dr = grads[0] if drout is None else grads[0] + drout
-    return dr, (grads[1] if w.requires_grad else None)
+    return grads[0], (grads[1] if w.requires_grad else None)
+
+
+def _add_norm_backward(rout, weight, eps, dnormed, drout, grads=None):
+    """The gradients of residual_out and of the weight of (RMSNorm(r) * weight, r), r =
+    residual_out. grads: the (d r, d weight) function of (rout, weight, eps, dnormed); default
+    the formula by autograd (the compiled batched path passes add_norm_grads compiled)."""
+    if dnormed is None:
+        dnormed = torch.zeros_like(rout, dtype=torch.promote_types(weight.dtype, rout.dtype))
+    dr, dw = (grads or _autograd_norm_grads)(rout, weight, eps, dnormed)
+    return (dr if drout is None else dr + drout), (dw if weight.requires_grad else None)
 
 
 class BackwardPassStart(torch.autograd.Function):
