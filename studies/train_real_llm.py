@@ -9,10 +9,14 @@ record and the study, on one GPU.
     python studies/train_real_llm.py report RUNS... --out-dir docs/results/raw/DATE-train-llm
 
 Data (made on the CPU machine, carried in .work/data; `prep` unpacks what is xz-packed):
-  smol-train.bin: 101 Gutenberg books (../shared/data/gutenberg.tar.xz) tokenized with
-  SmolLM2's tokenizer (15.35M tokens); smol-val.bin: the 7 books held out (a seeded choice,
-  random.Random(0).sample of the sorted names: 1.36M tokens); wiki.valid.raw: WikiText-2
-  validation text. `echo-tp tokenize DIR --tokenizer MODEL_DIR --out .work/data/smol-train.bin`.
+  smol-train.bin: 96 Gutenberg books (../shared/data/gutenberg.tar.xz) tokenized with
+  SmolLM2's tokenizer (15.38M tokens); smol-val.bin: the 12 books held out (1.33M tokens, whole
+  books, the tokenizer's seeded choice); wiki.valid.raw: WikiText-2 validation text. Made by
+    python studies/fetch_models.py --only smollm2 --hf --split-mib 40
+    echo-tp tokenize GUTENBERG_DIR --tokenizer .work/models/smollm2-135m-instruct-q4_1 \
+      --out .work/data/smol-train.bin --val-fraction 0.08 --seed 0
+  then smol-train.val.{bin,json} renamed smol-val.{bin,json}, `xz -k smol-train.bin`, and the
+  unpacked smol-train.bin moved out of .work/data (the folder travels whole).
 
 prep converts the GGUF once into an HF folder (float32, the dequantized values exactly) that
 every run reads with --init-from. Every run: seq 1024, 16 rows a step (16,384 tokens), bf16
@@ -169,10 +173,17 @@ def prep(gguf: str) -> None:
     print("prep done:", sorted(p.name for p in DATA.iterdir()), flush=True)
 
 
+def rows_named(models: tuple[str, ...], graph_only: bool = False) -> list[str]:
+    """SPEED rows picked by model ("smollm2": all its rows) or by name ("smollm2-tp3-graph")."""
+    return [n for n in SPEED if (n in models or n.split("-")[0] in models)
+            and (SPEED[n][3] or not graph_only)]
+
+
 def row_data(out: Path, models: tuple[str, ...], source: Path | None) -> dict:
     """model -> (train, val) token files of its SPEED rows (source: default smol-train.bin;
     `random`: the testbed rows only, on random ids)."""
     source = source or DATA / "smol-train.bin"
+    models = tuple({n.split("-")[0] for n in models})
     if str(source) == RANDOM and "smollm2" in models:
         raise SystemExit("--speed-data random serves the testbed rows only (--models testbed)")
     data = {"smollm2": (source, source)}
@@ -196,7 +207,7 @@ def speed(out: Path, steps: int, models: tuple[str, ...] = ("smollm2", "testbed"
     """The SPEED rows of `models`, one run at a time (source: the token file read, default
     smol-train.bin); merged into OUT/speed.json, each row's ratio to the faster of its model's
     plain rows (with and without the graph)."""
-    names = [n for n in SPEED if n.split("-")[0] in models]
+    names = rows_named(models)
     runs = row_runs(out, names, row_data(out, models, source), steps, ("--eval-batches", "1"))
     launch(runs, out / "logs", parallel=False)
     path = out / "speed.json"
@@ -301,7 +312,7 @@ def profile(out: Path, steps: int = PROFILE_STEPS,
     """The graph rows of SPEED of `models` (plain and TP), one run at a time, their last `steps`
     steps under the profiler (module docstring); merged into OUT/profile.json, written out as
     OUT/profile.txt."""
-    names = [n for n in SPEED if n.split("-")[0] in models and SPEED[n][3]]
+    names = rows_named(models, graph_only=True)
     runs = row_runs(out, names, row_data(out, models, source), PROFILE_AFTER + steps,
                     ("--eval-batches", "1", "--profile-steps", str(steps)))
     for name in names:                     # a run that fails leaves no earlier run's file
@@ -399,8 +410,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--speed-steps", type=int, default=40)
     p.add_argument("--budget", type=float, default=None)
     p.add_argument("--models", nargs="+", default=["smollm2", "testbed"],
-                   choices=("smollm2", "testbed"),
-                   help="speed, profile: the rows of these models")
+                   choices=("smollm2", "testbed", *SPEED),
+                   help="speed, profile: the rows of these models, or rows by name")
     p.add_argument("--speed-data", type=Path, default=None,
                    help="speed, profile: the token file read (default "
                         ".work/data/smol-train.bin; 'random': the testbed rows on random ids)")

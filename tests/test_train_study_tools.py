@@ -227,3 +227,12 @@ def test_real_llm_profile_dry_run(tmp_path, monkeypatch):
     assert table["rows"]["smollm2-plain-graph"]["steps"] == 1
     with pytest.raises(SystemExit, match="testbed rows only"):      # random ids: no SmolLM2 row
         study.profile(out, steps=1, models=("smollm2",), source=Path(study.RANDOM))
+
+
+def test_speed_rows_by_model_or_name():
+    import train_real_llm as study
+    assert study.rows_named(("smollm2",)) == [n for n in study.SPEED if n.startswith("smollm2")]
+    assert study.rows_named(("smollm2-tp3-graph", "testbed"), graph_only=True) == [
+        "smollm2-tp3-graph", "testbed-plain-graph", "testbed-tp4-graph"]
+    assert study.rows_named(("smollm2-plain-graph", "smollm2-tp3-graph")) == [
+        "smollm2-plain-graph", "smollm2-tp3-graph"]
