@@ -33,15 +33,18 @@ path, compiled, with --cuda-graph.
   CATEGORIES, the small ones (SMALL_US) and the TOP longest; per TP row its ratio to the plain
   row. Writes profile.json
   (merged, as speed.json) and profile.txt (the same, to read).
-- probe: 16-bit TP=3 runs of PROBE_STEPS at each LR in PROBE_LRS, side by side; the LR with the
-  lowest final held-out loss is the study's. Writes probe.json.
+- probe: 16-bit TP=3 runs of PROBE_STEPS at each LR in PROBE_LRS, --at-once of them at a time
+  (default 1: a graphed SmolLM2 run peaks at ~23 GiB allocated, and two or three side by side
+  ran out of an H100's 80 GB); the LR with the lowest final held-out loss is the study's.
+  Writes probe.json.
 - study: comm configs 16, 4 (naive) and echo4 (the default) x seeds 0, 1 (the data order),
-  side by side (one process each; the host-bound steps share the GPU), held-out loss every
-  quarter, per-site error telemetry every TELEMETRY_EVERY steps, a bf16 checkpoint at the end;
-  then every final checkpoint evaluated on the held-out books and on WikiText-2 with 16-bit
-  communication and with its own. Writes study.json and the run folders.
+  --at-once at a time (the graphed steps are GPU-bound: side by side gains little), held-out
+  loss every quarter, per-site error telemetry every TELEMETRY_EVERY steps, a bf16 checkpoint at
+  the end; then every final checkpoint evaluated on the held-out books and on WikiText-2 with
+  16-bit communication and with its own. Writes study.json and the run folders.
 - report: studies/train_schedule_report.py's table (paired bootstrap over held-out rows against
-  the same seed's 16-bit run), curves and telemetry plots, plus the evaluation table.
+  the same seed's 16-bit run), curves and telemetry plots, plus evals.md: each run's final
+  checkpoint evaluated with 16-bit communication and with its own.
 """
 from __future__ import annotations
 
@@ -71,6 +74,8 @@ COMPILE = True
 RANDOM = "random"
 """--speed-data value: the testbed rows on seeded random ids (no token file)."""
 EVAL_WINDOWS = 256
+EVALS_AT_ONCE = 4
+"""study: evaluations run side by side (each a few GiB; no compile)."""
 SPEED = {  # name -> (model args, simulate, comm, graph)
     "smollm2-plain": (["--init-from", str(MODEL)], 1, "16", False),
     "smollm2-plain-graph": (["--init-from", str(MODEL)], 1, "16", True),
@@ -138,21 +143,23 @@ def testbed_tokens(source: Path, out: Path, tokens: int = 2_000_000) -> Path:
     return out
 
 
-def launch(runs: dict[str, list[str]], logs: Path, parallel: bool) -> dict[str, int]:
-    """Run the commands (side by side, or one after another) -> name: return code."""
+def launch(runs: dict[str, list[str]], logs: Path, at_once: int = 1) -> dict[str, int]:
+    """Run the commands, at most `at_once` at a time, in order -> name: return code."""
     logs.mkdir(parents=True, exist_ok=True)
-    codes, procs = {}, {}
-    for name, cmd in runs.items():
-        f = open(logs / f"{name}.log", "w")
-        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
-        if parallel:
-            procs[name] = p
-        else:
-            codes[name] = p.wait()
-            print(f"{name}: rc {codes[name]}", flush=True)
-    for name, p in procs.items():
-        codes[name] = p.wait()
+    codes: dict[str, int] = {}
+    running: dict[str, subprocess.Popen] = {}
+
+    def reap(name: str) -> None:
+        codes[name] = running.pop(name).wait()
         print(f"{name}: rc {codes[name]}", flush=True)
+
+    for name, cmd in runs.items():
+        while len(running) >= max(1, at_once):
+            reap(next(iter(running)))
+        with open(logs / f"{name}.log", "w") as f:
+            running[name] = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+    while running:
+        reap(next(iter(running)))
     return codes
 
 
@@ -209,7 +216,7 @@ def speed(out: Path, steps: int, models: tuple[str, ...] = ("smollm2", "testbed"
     plain rows (with and without the graph)."""
     names = rows_named(models)
     runs = row_runs(out, names, row_data(out, models, source), steps, ("--eval-batches", "1"))
-    launch(runs, out / "logs", parallel=False)
+    launch(runs, out / "logs")
     path = out / "speed.json"
     rows = json.loads(path.read_text()) if path.is_file() else {}
     for name in names:
@@ -317,7 +324,7 @@ def profile(out: Path, steps: int = PROFILE_STEPS,
                     ("--eval-batches", "1", "--profile-steps", str(steps)))
     for name in names:                     # a run that fails leaves no earlier run's file
         (out / name / "profile.json").unlink(missing_ok=True)
-    launch(runs, out / "logs", parallel=False)
+    launch(runs, out / "logs")
     path = out / "profile.json"
     rows = json.loads(path.read_text())["rows"] if path.is_file() else {}
     for name in names:
@@ -333,12 +340,12 @@ def profile(out: Path, steps: int = PROFILE_STEPS,
     return table
 
 
-def probe(out: Path) -> float:
+def probe(out: Path, at_once: int = 1) -> float:
     runs = {f"lr{lr:g}": train_args(out / f"lr{lr:g}", model=["--init-from", str(MODEL)],
                                     simulate=TP, comm="16", steps=PROBE_STEPS, lr=lr,
                                     extra=("--eval-every", str(PROBE_STEPS // 3)))
             for lr in PROBE_LRS}
-    launch(runs, out / "logs", parallel=True)
+    launch(runs, out / "logs", at_once)
     losses = {lr: result(out / f"lr{lr:g}").get("val_loss") for lr in PROBE_LRS}
     best = min((v, lr) for lr, v in losses.items() if v is not None and math.isfinite(v))[1]
     (out / "probe.json").write_text(json.dumps({"val_loss": {str(k): v for k, v in
@@ -348,8 +355,9 @@ def probe(out: Path) -> float:
 
 
 def study(out: Path, lr: float, steps: int, budget: float | None,
-          configs: tuple[str, ...] | None = None, seeds: tuple[int, ...] | None = None) -> None:
-    """The runs of configs x seeds (default CONFIGS x SEEDS) side by side, then their
+          configs: tuple[str, ...] | None = None, seeds: tuple[int, ...] | None = None,
+          at_once: int = 1) -> None:
+    """The runs of configs x seeds (default CONFIGS x SEEDS), `at_once` at a time, then their
     evaluations; their rows merged into OUT/study.json (a call may run some of the runs)."""
     extra = ["--eval-every", str(steps // 4)]
     if budget:
@@ -362,7 +370,7 @@ def study(out: Path, lr: float, steps: int, budget: float | None,
                 out / f"{comm}-s{seed}", model=["--init-from", str(MODEL)], simulate=TP,
                 comm=comm, steps=steps, lr=lr, seed=seed, extra=(*extra, *tel))
     t0 = time.time()
-    launch(runs, out / "logs", parallel=True)
+    launch(runs, out / "logs", at_once)
     print(f"training: {time.time() - t0:.0f} s", flush=True)
     evals = {}
     for name in runs:
@@ -378,7 +386,7 @@ def study(out: Path, lr: float, steps: int, budget: float | None,
                 str(data), "--bos", "--context", str(SEQ), "--comms", *comms, "--simulate",
                 str(TP), "--batch-size", "8", "--max-windows", str(EVAL_WINDOWS), "--no-progress",
                 "--out", str(out / name / f"eval-{tag}.json")]
-    launch(evals, out / "logs", parallel=True)
+    launch(evals, out / "logs", at_once=EVALS_AT_ONCE)
     merged = out / "study.json"
     table = json.loads(merged.read_text()) if merged.is_file() else {}
     for name in runs:
@@ -394,6 +402,24 @@ def study(out: Path, lr: float, steps: int, budget: float | None,
         table[name] = row
     merged.write_text(json.dumps(table, indent=2) + "\n")
     print(json.dumps(table, indent=2), flush=True)
+
+
+def evals_table(runs: list[Path]) -> str:
+    """The study's evaluations (each run folder's eval-heldout.json / eval-wiki.json) as one
+    markdown table: perplexity and mean NLL with 16-bit communication and with the run's own."""
+    lines = ["| run | held-out ppl, 16-bit comm | held-out ppl, own comm | WikiText-2 ppl, "
+             "16-bit comm | WikiText-2 ppl, own comm |", "|---|---|---|---|---|"]
+    for run in runs:
+        cells = []
+        for tag in ("heldout", "wiki"):
+            path = run / f"eval-{tag}.json"
+            res = {r["label"]: r for r in json.loads(path.read_text())["results"]} \
+                if path.is_file() else {}
+            own = next((r for k, r in res.items() if k != "16"), res.get("16"))
+            cells += [f"{r['ppl']:.3f} (NLL {r['nll']:.4f})" if r else "-"
+                      for r in (res.get("16"), own)]
+        lines.append(f"| {run.name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -415,6 +441,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--speed-data", type=Path, default=None,
                    help="speed, profile: the token file read (default "
                         ".work/data/smol-train.bin; 'random': the testbed rows on random ids)")
+    p.add_argument("--at-once", type=int, default=1,
+                   help="probe, study: training runs at a time (default 1)")
     p.add_argument("--configs", nargs="+", default=None, help="study: a subset of CONFIGS")
     p.add_argument("--seeds", nargs="+", type=int, default=None, help="study: a subset of SEEDS")
     a = p.parse_args(argv)
@@ -427,17 +455,22 @@ def main(argv: list[str] | None = None) -> None:
     elif a.stage == "profile":
         profile(out, a.steps or PROFILE_STEPS, tuple(a.models), a.speed_data)
     elif a.stage == "probe":
-        probe(out)
+        probe(out, a.at_once)
     elif a.stage == "study":
         lr = a.lr
         if lr is None:
             lr = json.loads((out / "probe.json").read_text())["lr"]
         steps = a.steps or math.ceil(STUDY_TOKENS / (SEQ * ROWS))
         study(out, lr, steps, a.budget, a.configs and tuple(a.configs),
-              a.seeds and tuple(a.seeds))
+              a.seeds and tuple(a.seeds), a.at_once)
     else:
+        lr = a.lr or json.loads((Path(a.runs[0]) / "train_config.json").read_text())["lr"]
+        out_dir = Path(a.out_dir or out / "report")
         subprocess.run([sys.executable, "studies/train_schedule_report.py", *a.runs,
-                        "--out-dir", a.out_dir or str(out / "report")], check=True)
+                        "--out-dir", str(out_dir), "--base-lr", str(lr)], check=True)
+        text = evals_table([Path(r) for r in a.runs])
+        (out_dir / "evals.md").write_text(text)
+        print(text, end="", flush=True)
 
 
 if __name__ == "__main__":

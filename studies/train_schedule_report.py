@@ -48,7 +48,7 @@ def _rows(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def load_run(path: Path, scratch: Path) -> dict:
+def load_run(path: Path, scratch: Path, base_lr: float = BASE_LR) -> dict:
     """A run folder or its .tgz -> {config, seed, label, log, nll, tokens, telemetry, ...}."""
     if path.suffix == ".tgz":
         dest = scratch / path.stem
@@ -59,7 +59,7 @@ def load_run(path: Path, scratch: Path) -> dict:
     log = _rows(path / "log.csv")
     val = json.loads((path / "val_rows.json").read_text())
     tel = path / "telemetry.csv"
-    lr_factor = round(cfg["lr"] / BASE_LR, 3)
+    lr_factor = round(cfg["lr"] / base_lr, 3)
     label = cfg["comm"] + ("" if lr_factor == 1 else f" (LR x{lr_factor:g})")
     return {"dir": str(path), "comm": cfg["comm"], "lr_factor": lr_factor, "label": label,
             "seed": cfg["seed"], "planned_steps": cfg["steps"], "steps": int(log[-1]["step"]),
@@ -265,10 +265,13 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+", type=Path, help="run folders or their .tgz")
     ap.add_argument("--out-dir", type=Path, required=True)
+    ap.add_argument("--base-lr", type=float, default=BASE_LR,
+                    help="the schedule's LR: a run's LR factor is its lr over this (default: "
+                         "the testbed recipe's)")
     a = ap.parse_args(argv)
     a.out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as scratch:
-        runs = [load_run(p, Path(scratch)) for p in a.runs]
+        runs = [load_run(p, Path(scratch), a.base_lr) for p in a.runs]
     summary = summarize(runs)
     with_tel = [r for r in runs if r["telemetry"]]
     summary["telemetry"] = {f"{r['label']} seed {r['seed']}": telemetry_summary(r)

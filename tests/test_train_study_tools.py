@@ -236,3 +236,22 @@ def test_speed_rows_by_model_or_name():
         "smollm2-tp3-graph", "testbed-plain-graph", "testbed-tp4-graph"]
     assert study.rows_named(("smollm2-plain-graph", "smollm2-tp3-graph")) == [
         "smollm2-plain-graph", "smollm2-tp3-graph"]
+
+
+@pytest.mark.parametrize("at_once", [1, 2])
+def test_launch_runs_at_most_at_once_commands(tmp_path, at_once):
+    """The probe's and study's runs go at most `at_once` at a time (two or three SmolLM2 runs
+    side by side ran out of an 80 GB GPU), each with its own log and return code."""
+    import train_real_llm as study
+    trace = tmp_path / "trace"
+    step = ("import sys, time; t = open(sys.argv[1], 'a'); t.write('+'); t.flush(); "
+            "time.sleep(0.3); t.write('-'); t.close(); sys.exit(int(sys.argv[2]))")
+    runs = {f"r{i}": [sys.executable, "-c", step, str(trace), str(i % 2)] for i in range(4)}
+    codes = study.launch(runs, tmp_path / "logs", at_once)
+    assert codes == {"r0": 0, "r1": 1, "r2": 0, "r3": 1}
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == [f"r{i}.log" for i in range(4)]
+    depth = peak = 0
+    for c in trace.read_text():
+        depth += 1 if c == "+" else -1
+        peak = max(peak, depth)
+    assert peak <= at_once and depth == 0

@@ -784,13 +784,14 @@ fi
               "train_real_llm.py), STAGES of: test (the CUDA-graph step == eager, GPU), speed "
               "(tokens/s against the plain model, with and without the graph; MODELS), profile "
               "(the graphed step's kernels, plain vs TP, PROFILE_STEPS under torch.profiler), "
-              "probe (the LR), study (CONFIGS x SEEDS side by side, then their evaluations); "
+              "probe (the LR), study (CONFIGS x SEEDS, AT_ONCE runs at a time, then their "
+              "evaluations); "
               "SIDE_TESTS: pytest arguments run beside the probe and study; "
               "runs in $W, which stays on the machine for the next call",
         knobs={"STAGES": "test speed probe", "MODELS": "testbed smollm2", "SPEED_STEPS": "40",
                "SPEED_DATA": ".work/data/smol-train.bin", "PROFILE_STEPS": "3",
                "CONFIGS": "16 4 echo4", "SEEDS": "0 1", "LR": "", "STUDY_BUDGET": "",
-               "SIDE_TESTS": "", "W": "/tmp/train-llm", "M": "/tmp/m"},
+               "AT_ONCE": "1", "SIDE_TESTS": "", "W": "/tmp/train-llm", "M": "/tmp/m"},
         carry=(SMOL_DATA, GGUF_WHEEL, PARTS),
         keep=("speed.json", "profile.txt", "profile.json", "study.json"),
         records=("2026-12-05-train-speed-graph.md",),
@@ -829,11 +830,12 @@ if [ -n "$SIDE_TESTS" ] && { has probe || has study; }; then   # beside runs who
      > "$OUT/side_tests.txt" 2>&1; echo "side tests rc=$?" >> "$OUT/side_tests.txt") &
 fi
 if has probe; then
-  $LLM probe --out "$W" > "$OUT/probe.log" 2>&1; echo "probe rc=$?"; tail -1 "$OUT/probe.log"
+  $LLM probe --out "$W" --at-once "$AT_ONCE" > "$OUT/probe.log" 2>&1; echo "probe rc=$?"
+  tail -1 "$OUT/probe.log"
   cp "$W/probe.json" "$OUT/" 2>/dev/null; cp -r "$W/logs" "$OUT/probe-logs"
 fi
 if has study; then
-  $LLM study --out "$W" ${LR:+--lr "$LR"} --configs $CONFIGS --seeds $SEEDS \
+  $LLM study --out "$W" ${LR:+--lr "$LR"} --configs $CONFIGS --seeds $SEEDS --at-once "$AT_ONCE" \
     ${STUDY_BUDGET:+--budget "$STUDY_BUDGET"} > "$OUT/study.log" 2>&1; echo "study rc=$?"
   grep -E "rc |training:" "$OUT/study.log"; cp "$W/study.json" "$OUT/" 2>/dev/null
   for r in "$W"/*-s[0-9]*; do
