@@ -464,10 +464,12 @@ def main(argv: list[str] | None = None) -> None:
         study(out, lr, steps, a.budget, a.configs and tuple(a.configs),
               a.seeds and tuple(a.seeds), a.at_once)
     else:
-        lr = a.lr or json.loads((Path(a.runs[0]) / "train_config.json").read_text())["lr"]
+        first = Path(a.runs[0]) / "train_config.json"      # the study's LR: every run's
+        lr = a.lr or (json.loads(first.read_text())["lr"] if first.is_file() else None)
         out_dir = Path(a.out_dir or out / "report")
         subprocess.run([sys.executable, "studies/train_schedule_report.py", *a.runs,
-                        "--out-dir", str(out_dir), "--base-lr", str(lr)], check=True)
+                        "--out-dir", str(out_dir), *(["--base-lr", str(lr)] if lr else [])],
+                       check=True)
         text = evals_table([Path(r) for r in a.runs])
         (out_dir / "evals.md").write_text(text)
         print(text, end="", flush=True)

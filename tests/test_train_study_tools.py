@@ -164,6 +164,14 @@ def test_real_llm_study_dry_run(tmp_path, monkeypatch):
     assert set(table["echo4-s0"]) >= {"heldout_16", "heldout_echo4", "wiki_16", "wiki_echo4"}
     assert table["16-s0"]["steps"] == 4 and "heldout_echo4" not in table["16-s0"]
     assert (out / "echo4-s0" / "telemetry.csv").is_file()
+    # the report: configs named without an LR factor (the study's LR is the base), evaluations
+    study.main(["report", str(out / "16-s0"), str(out / "echo4-s0"), "--out-dir",
+                str(tmp_path / "report")])
+    summary = json.loads((tmp_path / "report" / "summary.json").read_text())
+    assert sorted(summary["configs"]) == ["16", "echo4"]
+    evals = (tmp_path / "report" / "evals.md").read_text().splitlines()
+    assert [r.split(" | ")[0] for r in evals[2:]] == ["| 16-s0", "| echo4-s0"]
+    assert "-" not in [c.strip() for c in evals[3].split("|")[1:-1]]   # every cell filled
     # a second call adds its runs' rows to study.json
     study.study(out, lr, steps=2, budget=None, configs=("4",), seeds=(1,))
     table = json.loads((out / "study.json").read_text())
