@@ -74,6 +74,8 @@ COMPILE = True
 RANDOM = "random"
 """--speed-data value: the testbed rows on seeded random ids (no token file)."""
 EVAL_WINDOWS = 256
+EVAL_TAGS = ("heldout", "wiki")
+"""study: the evaluations' files, eval-TAG.json: the held-out books, WikiText-2."""
 EVALS_AT_ONCE = 4
 """study: evaluations run side by side (each a few GiB; no compile)."""
 SPEED = {  # name -> (model args, simulate, comm, graph)
@@ -394,14 +396,19 @@ def study(out: Path, lr: float, steps: int, budget: float | None,
         row = {k: r.get(k) for k in ("steps", "tokens", "val_loss", "tail_loss",
                                      "steady_tokens_per_s", "stopped_by", "cuda_graph",
                                      "peak_gpu_mib", "seconds")}
-        for tag in ("heldout", "wiki"):
-            path = out / name / f"eval-{tag}.json"
-            if path.is_file():
-                for res in json.loads(path.read_text())["results"]:
-                    row[f"{tag}_{res['label']}"] = {"nll": res["nll"], "ppl": res["ppl"]}
+        for tag in EVAL_TAGS:
+            for label, res in evaluations(out / name, tag).items():
+                row[f"{tag}_{label}"] = {"nll": res["nll"], "ppl": res["ppl"]}
         table[name] = row
     merged.write_text(json.dumps(table, indent=2) + "\n")
     print(json.dumps(table, indent=2), flush=True)
+
+
+def evaluations(run: Path, tag: str) -> dict:
+    """A run folder's eval-TAG.json -> comm label: its result (empty when it did not run)."""
+    path = run / f"eval-{tag}.json"
+    return {r["label"]: r for r in json.loads(path.read_text())["results"]} \
+        if path.is_file() else {}
 
 
 def evals_table(runs: list[Path]) -> str:
@@ -411,10 +418,8 @@ def evals_table(runs: list[Path]) -> str:
              "16-bit comm | WikiText-2 ppl, own comm |", "|---|---|---|---|---|"]
     for run in runs:
         cells = []
-        for tag in ("heldout", "wiki"):
-            path = run / f"eval-{tag}.json"
-            res = {r["label"]: r for r in json.loads(path.read_text())["results"]} \
-                if path.is_file() else {}
+        for tag in EVAL_TAGS:
+            res = evaluations(run, tag)
             own = next((r for k, r in res.items() if k != "16"), res.get("16"))
             cells += [f"{r['ppl']:.3f} (NLL {r['nll']:.4f})" if r else "-"
                       for r in (res.get("16"), own)]
