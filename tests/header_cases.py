@@ -38,7 +38,7 @@ def shared_room(seed: int, device) -> None:
                                          state=CompState(rs.m1[:, :n], rs.m2[:, :n]))
         assert_bits_equal(y, want, f"y call {k} (n={n}, bits={bits}), seed {seed}")
         assert_bits_equal(st.m1, rs.m1, f"m1 after call {k}")
-        rooms.add(id(sim._ws[str(device)]["bufs"][0]))
+        rooms.add(id(sim._ws[str(x.device)]["bufs"][0]))
     assert len(rooms) <= 2            # the first call's room, grown at most once (8 bits)
 
 
