@@ -392,6 +392,75 @@ def test_fused_tile_in_steps_matches_reference(P, bits, residual, sdtype, backwa
                  state_dtype=sdtype, tile=1024, step=256)
 
 
+# (P, residual, backward, residual add, half, residual layout): every stage kernel's ranks form
+RANKS_CASES = [(4, "local", False, True, None, "rows"),
+               (3, "output", True, False, None, "rows"),
+               (3, "local", False, True, None, "columns"),
+               (3, "local", True, False, "reduce_scatter", "rows"),
+               (4, "local", False, False, "all_gather", "rows")]
+
+
+@pytest.mark.parametrize("P,residual,backward,add,half,layout", RANKS_CASES, ids=str)
+def test_ranks_in_one_launch_match_rank_by_rank(P, residual, backward, add, half, layout,
+                                                monkeypatch):
+    """Every simulated rank's stage in one launch (kernels/ranks_kernels.py) against the same
+    stage launched rank by rank: y and the state bit for bit over consecutive calls on fresh
+    inputs, and the launches counted: one per stage where the ranks' tensors lie at one stride
+    (a residual given as a transposed view is copied per rank: whichever way those copies lie,
+    the same bits)."""
+    launched = []
+    real = ap.launch
+    monkeypatch.setattr(ap, "launch", lambda k, *a: (launched.append(k), real(k, *a))[1])
+    cfg = two_timescale(bits=4, residual=residual, state_dtype="bfloat16")
+    g = cfg.quant_spec().group_size
+    n = {None: 1500 + 37 * P, "reduce_scatter": P * 3 * g, "all_gather": 3 * g}[half]
+    sims = [sf.SimulatedFused(P, tile_elems=256, one_launch=one) for one in (True, False)]
+    states = [CompState.zeros((P, n), "cpu", torch.bfloat16) for _ in sims]
+    for call in range(3):
+        x = _fused_input(P, n, torch.bfloat16, seed=700 + 10 * P + call,
+                         scale=1e-6 if backward else 1.0)
+        res = None
+        if add:
+            res = torch.randn(P, n, generator=torch.Generator().manual_seed(call))
+            res = res.to(torch.bfloat16) if layout == "rows" else \
+                res.t().contiguous().to(torch.bfloat16).t()               # [P, n], strided
+        outs, counts = [], []
+        for sim, st in zip(sims, states):
+            launched.clear()
+            if half is None:
+                outs.append(sim(x, cfg, state=st, backward=backward, residual=res))
+            else:
+                outs.append(getattr(sim, half)(x, cfg, state=st, backward=backward))
+            counts.append([k.fn.__name__ for k in launched])
+        assert_bits_equal(outs[0], outs[1], f"y call={call}")
+        assert_bits_equal(states[0].m1, states[1].m1, f"m1 call={call}")
+        one, each = counts
+        assert len(each) == 3 * P - (half is not None) * P, each   # amax: not through launch
+        if layout == "rows":
+            assert len(one) == len(each) // P and all(k.endswith("_ranks_kernel") for k in one)
+    if half is None:
+        want = CompState.zeros((P, n), "cpu", torch.bfloat16)
+        for call in range(3):                   # and both equal the reference, as before
+            x = _fused_input(P, n, torch.bfloat16, seed=700 + 10 * P + call,
+                             scale=1e-6 if backward else 1.0)
+            compensated_all_reduce(x, cfg, SimTransport(P), state=want, backward=backward)
+        assert_bits_equal(states[0].m1, want.m1, "m1 against the reference")
+
+
+def test_rank_stride_only_for_evenly_spaced_rows():
+    """launch_ranks' test of the ranks' tensors: rows at one stride (a [P, n] tensor's rows, an
+    expanded [P, 1], any two tensors) give it in elements; uneven spacing, a stride that is
+    not whole elements, or mixed dtypes give None (then the stages go rank by rank)."""
+    buf = torch.zeros(100)
+    assert ap._rank_stride(tuple(torch.zeros(3, 7))) == 7
+    assert ap._rank_stride(tuple(torch.ones(1, 1).expand(4, 1))) == 0
+    assert ap._rank_stride((buf[0:5], buf[10:15], buf[30:35])) is None
+    assert ap._rank_stride((buf[0:5], buf[40:45])) == 40
+    assert ap._rank_stride((buf[0:5], buf.view(torch.uint8)[6:26])) is None
+    assert ap._rank_stride((buf.view(torch.uint8)[0:4], buf.view(torch.uint8)[2:6],
+                            buf.view(torch.uint8)[4:8])) == 2
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_fused_uncompensated_and_nonfinite(bits):
     """No state (eta = 0 path) and NaN/Inf inputs: y matches, NaN lands in the same places."""

@@ -21,7 +21,7 @@ import torch
 
 from ..compensator import CompState
 from ..config import EchoConfig, QuantSpec
-from ..kernels.allreduce_plan import CallPlan, Layout, local_amax
+from ..kernels.allreduce_plan import CallPlan, Layout, launch_ranks, local_amax
 from ..kernels.fits import fits
 from ..kernels.flags import new_error_buffer, raise_if_set
 from . import routing, tuning
@@ -37,7 +37,8 @@ class SimulatedFused:
     persist across calls, as on GPUs."""
 
     def __init__(self, world_size: int, tile_elems: int = 2048, timeout_polls: int = 1000,
-                 step_elems: int = 2048, num_warps: int = 4, num_stages: int | None = None):
+                 step_elems: int = 2048, num_warps: int = 4, num_stages: int | None = None,
+                 one_launch: bool = True):
         self.world_size = world_size
         self.tile_elems = tile_elems
         """Values per tile (collective/routing.tile_shape picks them on GPUs)."""
@@ -47,6 +48,9 @@ class SimulatedFused:
         self.num_stages = num_stages
         """triton's pipelining depth for the stage kernels (None: its default)."""
         self.timeout = timeout_polls
+        self.one_launch = one_launch
+        """Each stage of every rank as one launch (kernels/ranks_kernels.py; the same bits as
+        rank by rank, and P times the programs per launch); False: one launch per rank."""
         self._ws: dict = {}
 
     def workspace(self, n: int, spec: QuantSpec, device) -> dict:
@@ -65,8 +69,9 @@ class SimulatedFused:
             # error records in host memory the kernels write (pinned on CUDA, as the p2p
             # backend's): the host reads them without a device sync
             errs = [new_error_buffer(torch.device(device).type == "cuda") for _ in range(P)]
-            tables = [torch.tensor([b.data_ptr() for b in bufs] + [errs[r].data_ptr()],
-                                   dtype=torch.int64, device=device) for r in range(P)]
+            tables = torch.tensor([[b.data_ptr() for b in bufs] + [errs[r].data_ptr()]
+                                   for r in range(P)], dtype=torch.int64, device=device)
+            #                                               [P, P+1]: rank r's table, row r
             epoch = torch.zeros(P, dtype=torch.int64, device=device)    # every rank's, one
             ws = self._ws[key] = dict(room=room, bufs=bufs, errs=errs, tables=tables,
                                       epoch=epoch, errs_np=[e.numpy() for e in errs])
@@ -132,11 +137,15 @@ class SimulatedFused:
         return grad_scale(parts[None], SimTransport(1)).expand(P, 1)
 
     def _run(self, plans: list[CallPlan], stages: tuple, y: torch.Tensor) -> None:
-        """Each stage on every rank in turn (y [P, ...]: rank r's output y[r]), then raise on
-        any error record of the simulation's ranks. The records are read without a device
-        sync: on the CPU (the interpreter runs each launch to its end) this call's own errors;
-        on a GPU those its kernels have written so far, so one may surface a call later."""
+        """Each stage on every rank (y [P, ...]: rank r's output y[r]): one launch for all
+        ranks (one_launch), else rank by rank; then raise on any error record of the
+        simulation's ranks. The records are read without a device sync: on the CPU (the
+        interpreter runs each launch to its end) this call's own errors; on a GPU those its
+        kernels have written so far, so one may surface a call later."""
+        ys = None if y is None else list(y)
         for stage in stages:
+            if self.one_launch and launch_ranks(plans, stage, ys):
+                continue
             for r, plan in enumerate(plans):
                 if stage in ("entry", "encode"):
                     getattr(plan, stage)()

@@ -32,10 +32,19 @@ from .allreduce_kernels import (amax_kernel, entry_kernel, fused_kernel, reduce_
                                 reduce_tail_kernel, tail_kernel)
 from .flags import next_call_kernel
 from .launcher import launch
+from .ranks_kernels import entry_ranks_kernel, reduce_ranks_kernel, tail_ranks_kernel
 from .quant_kernels import DTYPE_KIND, LAUNCH_OPTS, spec_constexprs, values_per_thread
 
 HALF_CODES = {None: 0, "reduce_scatter": 1, "all_gather": 2}
 """CallPlan.half -> the reduce kernel's HALF constexpr."""
+
+STAGES = ("entry", "reduce", "encode", "tail")
+"""The stage kernels' launches of a call (CallPlan.stage)."""
+
+RANKS_KERNELS = {entry_kernel: entry_ranks_kernel, reduce_kernel: reduce_ranks_kernel,
+                 tail_kernel: tail_ranks_kernel}
+"""Each stage kernel -> its form with every simulated rank in one launch
+(kernels/ranks_kernels.py)."""
 
 
 def _align(v: int, a: int) -> int:
@@ -265,13 +274,48 @@ class CallPlan:
     def entry(self) -> None:
         """Quantize and push the segments of the other owners (the all-reduce, the
         reduce-scatter)."""
-        self._check_half(None, "reduce_scatter")
         if self.lay.world_size == 1:
+            self._check_half(None, "reduce_scatter")
             return
+        self._launch(*self.stage("entry"))
+
+    def stage(self, name: str, y: torch.Tensor | None = None) -> tuple:
+        """One stage kernel's launch: name 'entry', 'reduce' (y: this rank's output), 'encode'
+        or 'tail' (y) -> (stage kernel, grid, tensor arguments, the other arguments, meta).
+        The tensors are this rank's (x, m1, m2[, y, residual], fs, epoch, table), so the same
+        stage of P simulated ranks can run as one launch (`launch_ranks`)."""
         ptrs, scal, consts, meta, per = self._parts
-        launch(entry_kernel, (self.lay.tiles, self.lay.world_size - 1),
-               (*ptrs, self._fs(), self.epoch, self.table, *scal, *consts),
-               dict(**meta, **per["entry"], **self._stages()))
+        P, tiles = self.lay.world_size, self.lay.tiles
+        if name == "entry":
+            self._check_half(None, "reduce_scatter")
+            return (entry_kernel, (tiles, P - 1), (*ptrs, self._fs(), self.epoch, self.table),
+                    (*scal, *consts), dict(**meta, **per["entry"], **self._stages()))
+        if name in ("reduce", "encode"):
+            if name == "reduce":
+                self._check_half(None, "reduce_scatter")
+            else:
+                self._check_half("all_gather")
+                y = self.x
+            res, add = self._res(y)
+            return (reduce_kernel, (tiles,),
+                    (*ptrs, y, res, self._fs(), self.epoch, self.table),
+                    (*scal, self.timeout, *consts),
+                    dict(**meta, **per["reduce"], USE_TIMER=self.use_timer, OWN_Y=self.own_y,
+                         ADD=add, HALF=HALF_CODES[self.half], **self._stages()))
+        if name == "tail":
+            self._check_half(None, "all_gather")
+            first = int(self.own_y)
+            res, add = self._res(y)
+            return (tail_kernel, (tiles, P - first),
+                    (*ptrs, y, res, self._fs(), self.epoch, self.table),
+                    (*scal, self.timeout, *consts),
+                    dict(**meta, **per["tail"], USE_TIMER=self.use_timer, FIRST=first, ADD=add,
+                         **self._stages()))
+        raise ValueError(f"unknown stage {name!r}; one of {STAGES}")
+
+    @staticmethod
+    def _launch(kernel, grid: tuple, tensors: tuple, rest: tuple, meta: dict) -> None:
+        launch(kernel, grid, (*tensors, *rest), meta)
 
     @property
     def own_y(self) -> bool:
@@ -284,22 +328,12 @@ class CallPlan:
     def reduce(self, y: torch.Tensor) -> None:
         """The owner sum: requantized and pushed (the all-reduce), or stored as this rank's
         chunk y [m] (the reduce-scatter: HALF=1)."""
-        self._check_half(None, "reduce_scatter")
-        self._reduce(y, HALF_CODES[self.half])
+        self._launch(*self.stage("reduce", y))
 
     def encode(self) -> None:
         """The all-gather's entry: x' of the own shard encoded once and pushed into every
         rank's gather slot of this rank (the reduce kernel with HALF=2: no waits, no sum)."""
-        self._check_half("all_gather")
-        self._reduce(self.x, HALF_CODES["all_gather"])
-
-    def _reduce(self, y: torch.Tensor, half: int) -> None:
-        ptrs, scal, consts, meta, per = self._parts
-        res, add = self._res(y)
-        launch(reduce_kernel, (self.lay.tiles,),
-               (*ptrs, y, res, self._fs(), self.epoch, self.table, *scal, self.timeout, *consts),
-               dict(**meta, **per["reduce"], USE_TIMER=self.use_timer, OWN_Y=self.own_y,
-                    ADD=add, HALF=half, **self._stages()))
+        self._launch(*self.stage("encode"))
 
     def _check_half(self, *allowed) -> None:
         if self.half not in allowed:
@@ -309,14 +343,7 @@ class CallPlan:
         """After reduce(y): y of the other owners' segments (and of the own one unless the
         reduce wrote it). All-gather, after every rank's encode(): y [P*m], every owner's
         packet decoded, the own one included."""
-        self._check_half(None, "all_gather")
-        ptrs, scal, consts, meta, per = self._parts
-        first = int(self.own_y)
-        res, add = self._res(y)
-        launch(tail_kernel, (self.lay.tiles, self.lay.world_size - first),
-               (*ptrs, y, res, self._fs(), self.epoch, self.table, *scal, self.timeout, *consts),
-               dict(**meta, **per["tail"], USE_TIMER=self.use_timer, FIRST=first, ADD=add,
-                    **self._stages()))
+        self._launch(*self.stage("tail", y))
 
     def reduce_tail(self, y: torch.Tensor, ticket: torch.Tensor, lag: int) -> None:
         """reduce() then tail(y) as one overlapped launch (`reduce_tail_kernel`; the
@@ -345,6 +372,40 @@ class CallPlan:
                (*ptrs, y, res, self._fs(), self.epoch, self.table, *scal, self.timeout, *consts),
                dict(**meta, **per["fused"], USE_TIMER=self.use_timer, ADD=add,
                     **self._stages()))
+
+
+def launch_ranks(plans: list[CallPlan], name: str, ys: list | None = None) -> bool:
+    """Stage `name` of P simulated ranks' plans of one call (plans[r].rank == r, one device)
+    as one launch of its ranks kernel (kernels/ranks_kernels.py): bit for bit
+    `for r: plans[r].stage(name, ys[r])` launched in turn. Rank r's tensors must lie at one
+    stride from rank 0's (rows of [P, ...] tensors, an expanded [P, 1]); returns False, and
+    launches nothing, when they do not (the caller launches rank by rank)."""
+    calls = [p.stage(name, None if ys is None else ys[r]) for r, p in enumerate(plans)]
+    kernel, grid, tensors, rest, meta = calls[0]
+    if 0 in grid:                                   # P = 1: no other owner to push to
+        return True
+    strides = []
+    for col in zip(*(c[2] for c in calls)):
+        stride = _rank_stride(col)
+        if stride is None:
+            return False
+        strides.append(stride)
+    meta = {k: v for k, v in meta.items() if k != "RANK"}
+    grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, len(plans))
+    launch(RANKS_KERNELS[kernel], grid3, (*tensors, *strides, *rest), meta)
+    return True
+
+
+def _rank_stride(col: tuple) -> int | None:
+    """The element stride s with col[r] at col[0] + r * s for every r (same dtype), or None."""
+    t0 = col[0]
+    size = t0.element_size()
+    if any(t.dtype != t0.dtype or t.device != t0.device for t in col):
+        return None
+    step = col[1].data_ptr() - t0.data_ptr() if len(col) > 1 else 0
+    if step % size or any(t.data_ptr() - t0.data_ptr() != r * step for r, t in enumerate(col)):
+        return None
+    return step // size
 
 
 def _comp(state: CompState | None) -> int:
