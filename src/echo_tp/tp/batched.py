@@ -9,11 +9,13 @@ leading rank dim:
     x [B, T, D] --SimExpand--> xs [P, B, T, D]      the f site: rank r's copy of the input (an
                                                     expand); backward: the P input gradients
                                                     [P, B, T, D] through the backward site
-    attention  q, k, v = bmm(xs, stack_r(W_r^T))                     [P, B*T, H_r*hd]
+    attention  q, k, v = column_linear(xs, W_r): ONE x @ cat_r(W_r)^T  [P, B*T, H_r*hd]
+               (every rank's input is the same x: the plain model's GEMM; backward: each
+               rank's own input gradient, bmm)
                q/k norm with rank r's weight, RoPE, one SDPA over P*B sequences of H_r heads
                (heads are independent: rank r's queries only meet rank r's keys, as on a rank)
                partial_r = bmm(y_r, Wo_r^T)                          [P, B, T, D]
-    mlp        partial_r = bmm(silu(bmm(xs, Wg_r^T)) * bmm(xs, Wu_r^T), Wd_r^T)
+    mlp        partial_r = bmm(silu(column_linear(xs, Wg)) * column_linear(xs, Wu), Wd_r^T)
     partials [P, B, T, D] --> the g site (the fused boundary ReduceAddNorm, or SimReduce): the
                               stack the shard loop builds, through the same communicator call
 
@@ -113,6 +115,51 @@ def linear(x: torch.Tensor, weights: list, biases: list | None = None) -> torch.
     return torch.baddbmm(torch.stack(biases).unsqueeze(1), x, w)
 
 
+def column_linear(xs: torch.Tensor, weights: list, biases: list | None = None) -> torch.Tensor:
+    """A column-parallel product of the ranks' copies of one input: xs [P, N, in] (an expand:
+    every row the same x [N, in]), weights P x [out, in] -> [P, N, out], rank r's
+    F.linear(xs[r], weights[r], biases[r]) as `linear` gives it, but the forward is ONE
+    x @ cat(weights)^T of the plain model's shape (no [P, N, in] copy of the input, one GEMM
+    of P*out columns), laid out as [P, N, out] (`linear`'s layout: on the CPU elementwise ops
+    after it take the same vector paths, so the shard loop's bits hold). Backward
+    (ColumnProduct):
+    each rank's own input gradient [P, N, in] (for the backward site's all-reduce) and weight
+    gradient, batched over the ranks."""
+    y = ColumnProduct.apply(xs, torch.cat(weights)).contiguous()   # [P, N, out]: `linear`'s
+    if biases is None:                                                 # layout, so the ops
+        return y                                                       # after it round alike
+    return y + torch.stack(biases).unsqueeze(1)
+
+
+class ColumnProduct(torch.autograd.Function):
+    """xs [P, N, in] (P copies of x [N, in]), w [P*out, in] (rank r's rows r*out..) ->
+    [P, N, out]: rank r's xs[r] @ w_r^T. Unfused equivalent: torch.bmm(xs, w.view(P, out,
+    in).transpose(1, 2)). Under autocast the operands are cast as autocast casts a matmul's
+    (to its dtype; the gradients come back in the inputs' dtypes, as through those casts)."""
+
+    @staticmethod
+    def forward(ctx, xs: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        P, N, _ = xs.shape
+        x = xs[0]
+        dev = x.device.type
+        ctx.dtypes = (xs.dtype, w.dtype)
+        if torch.is_autocast_enabled(dev):
+            dt = torch.get_autocast_dtype(dev)
+            x, w = x.to(dt), w.to(dt)
+        ctx.save_for_backward(x, w)
+        with torch.autocast(dev, enabled=False):
+            y = x @ w.t()                                      # [N, P*out]
+        return y.view(N, P, -1).transpose(0, 1)                # [P, N, out]
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        x, w = ctx.saved_tensors
+        P, N, out = g.shape
+        g = g.to(x.dtype).contiguous()      # as bmm's own backward sees it (the same bits)
+        with torch.autocast(g.device.type, enabled=False):
+            gx = torch.bmm(g, w.view(P, out, -1))              # [P, N, in]: rank r's own
+            gw = torch.bmm(x.expand(P, N, -1).transpose(1, 2), g)   # [P, in, out]
+        return gx.to(ctx.dtypes[0]), gw.transpose(1, 2).reshape(P * out, -1).to(ctx.dtypes[1])
 def attention_partials(xs, cos, sin, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm,
                        head_dim: int, eps: tuple[float, float]) -> torch.Tensor:
     """Attention.forward (no cache) of every shard: xs [P, B, T, D], cos/sin [T, hd], weights
@@ -120,9 +167,9 @@ def attention_partials(xs, cos, sin, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm,
     [P, B, T, D]."""
     P, B, T, D = xs.shape
     x = xs.reshape(P, B * T, D)
-    q = linear(x, wq, bq).view(P, B, T, -1, head_dim)          # [P, B, T, Hq_r, hd]
-    k = linear(x, wk, bk).view(P, B, T, -1, head_dim)          # [P, B, T, Hkv_r, hd]
-    v = linear(x, wv, bv).view(P, B, T, -1, head_dim)
+    q = _by_rank(column_linear(x, wq, bq), B, T, head_dim)     # [P, B, T, Hq_r, hd]
+    k = _by_rank(column_linear(x, wk, bk), B, T, head_dim)     # [P, B, T, Hkv_r, hd]
+    v = _by_rank(column_linear(x, wv, bv), B, T, head_dim)
     if q_norm is not None:                                      # rank r's weight on its heads
         q = rms_norm(q, torch.stack(q_norm).view(P, 1, 1, 1, head_dim), eps[0])
         k = rms_norm(k, torch.stack(k_norm).view(P, 1, 1, 1, head_dim), eps[1])
@@ -141,8 +188,14 @@ def mlp_partials(xs, w_gate, w_up, w_down) -> torch.Tensor:
     """MLP.forward of every shard: xs [P, B, T, D], weights P-lists -> partials [P, B, T, D]."""
     P, B, T, D = xs.shape
     x = xs.reshape(P, B * T, D)
-    h = F.silu(linear(x, w_gate)) * linear(x, w_up)            # [P, B*T, I_r]
+    h = F.silu(column_linear(x, w_gate)) * column_linear(x, w_up)   # [P, B*T, I_r]
     return linear(h, w_down).view(P, B, T, D)
+
+
+def _by_rank(t: torch.Tensor, B: int, T: int, head_dim: int) -> torch.Tensor:
+    """column_linear's [P, B*T, H_r*hd] -> [P, B, T, H_r, hd] (a view)."""
+    P = t.shape[0]
+    return t.view(P, B, T, -1, head_dim)
 
 
 def _sequences(t: torch.Tensor) -> torch.Tensor:
