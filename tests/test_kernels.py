@@ -450,7 +450,8 @@ def test_ranks_in_one_launch_match_rank_by_rank(P, residual, backward, add, half
 def test_rank_stride_only_for_evenly_spaced_rows():
     """launch_ranks' test of the ranks' tensors: rows at one stride (a [P, n] tensor's rows, an
     expanded [P, 1], any two tensors) give it in elements; uneven spacing, a stride that is
-    not whole elements, or mixed dtypes give None (then the stages go rank by rank)."""
+    not whole elements, or mixed dtypes give None (then the stages go rank by rank), and so
+    do plans out of rank order."""
     buf = torch.zeros(100)
     assert ap._rank_stride(tuple(torch.zeros(3, 7))) == 7
     assert ap._rank_stride(tuple(torch.ones(1, 1).expand(4, 1))) == 0
@@ -459,6 +460,9 @@ def test_rank_stride_only_for_evenly_spaced_rows():
     assert ap._rank_stride((buf[0:5], buf.view(torch.uint8)[6:26])) is None
     assert ap._rank_stride((buf.view(torch.uint8)[0:4], buf.view(torch.uint8)[2:6],
                             buf.view(torch.uint8)[4:8])) == 2
+    plans = sf.SimulatedFused(3, tile_elems=256).plans(torch.zeros(3, 600), EchoConfig(),
+                                                       None)
+    assert not ap.launch_ranks(plans[::-1], "entry")           # not in rank order: refused
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -249,3 +249,64 @@ def test_add_norm_grads_written_out_match_autograd(rdt, wdt):
     for got, want in ((got_r, want_r), (got_w, want_w)):
         torch.testing.assert_close(got.float(), want.float(), rtol=rtol,
                                    atol=rtol * want.float().abs().max().item())
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16-autocast"])
+def test_column_product_is_the_batched_product_of_an_expanded_input(amp, monkeypatch):
+    """batched.column_linear (one GEMM of the ranks' shared input, ColumnProduct) against
+    batched.linear (the bmm over the rank dim) on fresh inputs: output, the input's gradient per
+    rank and every rank's weight and bias gradients, bit for bit, in fp32 and under bf16
+    autocast (the gradients in the inputs' fp32). An input that is not one row expanded goes to
+    `linear` itself (ColumnProduct is not called)."""
+    from echo_tp.tp import batched
+    P, N, D, out = 4, 96, 64, 24
+    gen = torch.Generator().manual_seed(11)
+    x0 = torch.randn(N, D, generator=gen)
+    w0 = [torch.randn(out, D, generator=gen) for _ in range(P)]
+    b0 = [torch.randn(out, generator=gen) for _ in range(P)]
+    g = torch.randn(P, N, out, generator=gen)
+
+    def run(fn, xs_of, bias=False):
+        x = x0.clone().requires_grad_()
+        ws = [w.clone().requires_grad_() for w in w0]
+        bs = [b.clone().requires_grad_() for b in b0] if bias else None
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            xs = xs_of(x)
+            xs.retain_grad()
+            y = fn(xs, ws, bs)
+        (y.float() * g).sum().backward()
+        return [y.detach(), xs.grad, *[w.grad for w in ws], *[b.grad for b in bs or []]]
+
+    def expanded(x):
+        return SimExpandLike.apply(x, P)
+
+    calls = []
+    real = batched.ColumnProduct.apply
+    monkeypatch.setattr(batched.ColumnProduct, "apply",
+                        lambda *a: (calls.append(1), real(*a))[1])
+    got = run(batched.column_linear, expanded)
+    assert calls, "the column product did not run"
+    want = run(batched.linear, expanded)
+    for k, (a, b) in enumerate(zip(got, want)):
+        assert a.dtype == b.dtype and torch.equal(a, b), k
+    calls.clear()
+    rows = run(batched.column_linear, lambda x: torch.stack([x * (r + 1) for r in range(P)]))
+    biased = run(batched.column_linear, expanded, bias=True)
+    assert not calls
+    want = run(batched.linear, lambda x: torch.stack([x * (r + 1) for r in range(P)]))
+    assert all(torch.equal(a, b) for a, b in zip(rows, want))
+    want = run(batched.linear, expanded, bias=True)
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(biased, want))
+
+
+class SimExpandLike(torch.autograd.Function):
+    """x [N, D] -> [P, N, D] expanded (stride 0 over P), as tp/sites.SimExpand gives it; the
+    test reads the per-rank gradient with retain_grad (the backward here just sums it)."""
+
+    @staticmethod
+    def forward(ctx, x, P):
+        return x.unsqueeze(0).expand(P, *x.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.sum(0), None

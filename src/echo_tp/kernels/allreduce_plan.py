@@ -379,7 +379,10 @@ def launch_ranks(plans: list[CallPlan], name: str, ys: list | None = None) -> bo
     as one launch of its ranks kernel (kernels/ranks_kernels.py): bit for bit
     `for r: plans[r].stage(name, ys[r])` launched in turn. Rank r's tensors must lie at one
     stride from rank 0's (rows of [P, ...] tensors, an expanded [P, 1]); returns False, and
-    launches nothing, when they do not (the caller launches rank by rank)."""
+    launches nothing, when they do not or the plans are not in rank order (the caller then
+    launches rank by rank)."""
+    if any(p.rank != r for r, p in enumerate(plans)):
+        return False
     calls = [p.stage(name, None if ys is None else ys[r]) for r, p in enumerate(plans)]
     kernel, grid, tensors, rest, meta = calls[0]
     if 0 in grid:                                   # P = 1: no other owner to push to

@@ -116,19 +116,19 @@ def linear(x: torch.Tensor, weights: list, biases: list | None = None) -> torch.
 
 
 def column_linear(xs: torch.Tensor, weights: list, biases: list | None = None) -> torch.Tensor:
-    """A column-parallel product of the ranks' copies of one input: xs [P, N, in] (an expand:
-    every row the same x [N, in]), weights P x [out, in] -> [P, N, out], rank r's
-    F.linear(xs[r], weights[r], biases[r]) as `linear` gives it, but the forward is ONE
-    x @ cat(weights)^T of the plain model's shape (no [P, N, in] copy of the input, one GEMM
-    of P*out columns), laid out as [P, N, out] (`linear`'s layout: on the CPU elementwise ops
-    after it take the same vector paths, so the shard loop's bits hold). Backward
-    (ColumnProduct):
-    each rank's own input gradient [P, N, in] (for the backward site's all-reduce) and weight
-    gradient, batched over the ranks."""
-    y = ColumnProduct.apply(xs, torch.cat(weights)).contiguous()   # [P, N, out]: `linear`'s
-    if biases is None:                                                 # layout, so the ops
-        return y                                                       # after it round alike
-    return y + torch.stack(biases).unsqueeze(1)
+    """A column-parallel product of the ranks' copies of one input: xs [P, N, in], weights
+    P x [out, in] -> [P, N, out], rank r's F.linear(xs[r], weights[r], biases[r]) as `linear`
+    gives it. Where xs is one x [N, in] expanded (stride 0 over the ranks) and there is no
+    bias, the forward is ONE x @ cat(weights)^T of the plain model's shape (no [P, N, in]
+    copy or cast of the input, one GEMM of P*out columns), laid out as `linear`'s [P, N, out]
+    (so on the CPU the elementwise ops after it take the same vector paths and the shard
+    loop's bits hold); backward (ColumnProduct): each rank's own input gradient [P, N, in]
+    (for the backward site's all-reduce) and weight gradient, batched over the ranks. Any
+    other xs, and biases (which `linear`'s baddbmm adds inside the product), go to `linear`."""
+    if xs.stride(0) != 0 or biases is not None:    # not one input expanded, or a bias (the
+        return linear(xs, weights, biases)          # baddbmm adds it in the GEMM): batched
+    return ColumnProduct.apply(xs, torch.cat(weights)).contiguous()  # [P, N, out]: `linear`'s
+    #                                               layout, so the ops after it round alike
 
 
 class ColumnProduct(torch.autograd.Function):
