@@ -754,6 +754,7 @@ ls -la "$M"
               "Gutenberg, Gemma-3-270M (GGUF) at TP=2 and 4 on WikiText-2 (BOS 2), every comm "
               "config of the table, with KL; the pieces joined in /tmp/m (model-parts)",
         knobs={"M": "/tmp/m", "REAL_COMMS": "16 8 echo8 4 echo4", "REAL_WINDOWS": "1000",
+               "REAL_TEXTS": "wiki.valid.raw gutenberg-eval.txt",
                "REAL_MODELS": "smol gemma", "GEMMA_COMMS": "", "GEMMA_WINDOWS": "128"},
         carry=(TEXTS, GGUF_WHEEL, PARTS), records=("2026-12-04-real-llm.md",),
         keep=("real_llm.log",),
@@ -761,7 +762,7 @@ ls -la "$M"
 set -e
 if [[ " $REAL_MODELS " == *" smol "* ]]; then
   gguf_model smol "$SMOL_SHA"
-  for text in wiki.valid.raw gutenberg-eval.txt; do
+  for text in $REAL_TEXTS; do
     python3 -m echo_tp.cli eval --model "$M/smol-hf" --data ".work/data/$text" --simulate 3 \
       --context 512 --batch-size 16 --dtype bfloat16 --device cuda --max-windows "$REAL_WINDOWS" \
       --no-progress --kl --comms $REAL_COMMS --out "$OUT/smol-${text%%.*}.json" 2>&1 \
