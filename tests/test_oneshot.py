@@ -75,6 +75,36 @@ def test_oneshot_concurrent_ranks_match_reference(P, programs):
             assert bool((err[fin] <= exact[fin].abs() * 2.0 ** -7 + 1e-30).all())
 
 
+def test_peer_a_call_ahead_leaves_the_slower_ranks_call_word():
+    """Rank 1 sums call 0 and pushes call 1 (another length and dtype) before rank 0 sums
+    call 0: rank 0 still finds rank 1's call-0 word (the headers have the slots' parity), so
+    no false mismatch is recorded, and both calls equal the reference on both ranks."""
+    P = 2
+    lay = ok.OneShotLayout.build(P, CAP)
+    bufs = [torch.randint(0, 256, (lay.nbytes,), dtype=torch.uint8) for _ in range(P)]
+    for b in bufs:
+        lay.flag_words(b).zero_()
+    errs = [torch.zeros(8, dtype=torch.int64) for _ in range(P)]
+    tables = [torch.tensor([b.data_ptr() for b in bufs] + [errs[r].data_ptr()])
+              for r in range(P)]
+    epochs = [torch.zeros(2, dtype=torch.int64) for _ in range(P)]
+    xs = _inputs(P)[:2]                           # 5000 bf16 values, then 1 fp16 value
+    ys = [torch.full_like(x, 7.0) for x in xs]
+
+    def run(r, c, phases):
+        ok.oneshot(xs[c][r], ys[c][r], rank=r, lay=lay, epochs=epochs[r], table=tables[r],
+                   timeout=50, use_timer=False, phases=phases)
+    for r, c, phases in ((0, 0, 1), (1, 0, 1), (1, 0, 2), (1, 1, 1), (0, 0, 2), (0, 1, 1),
+                         (0, 1, 2), (1, 1, 2)):
+        run(r, c, phases)
+    for r in range(P):
+        assert describe_error(errs[r]) is None, describe_error(errs[r])
+    for c, (x, y) in enumerate(zip(xs, ys)):
+        want = ok.oneshot_reference(list(x.unbind(0)))
+        for r in range(P):
+            assert not bool(bits_differ(y[r], want).any()), (c, r)
+
+
 def test_oneshot_times_out_naming_rank_stage_tile():
     lay = ok.OneShotLayout.build(2, CAP)
     bufs = [torch.zeros(lay.nbytes, dtype=torch.uint8) for _ in range(2)]

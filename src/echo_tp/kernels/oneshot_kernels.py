@@ -36,7 +36,8 @@ PHASES (both kernels): 3 is the call; 1 only the push (bumping the epochs) and 2
 push(every rank), then sum(every rank), and every wait finds its flag set.
 
 Buffers (`OneShotLayout`): per rank one symmetric byte buffer of 2 parities x P sender slots of
-`cap` bytes, then int64 flags [P][max_tiles] and an abort word. The slot parity is the epoch's:
+`cap` bytes, then int64 flags [P][max_tiles], an abort word and the call words [2][P][max_tiles]
+(by parity, as the slots). The slot and header parity is the epoch's:
 rank r can start call k+1 (and overwrite parity (k+1) % 2) while a slower peer still reads
 call k's data (parity k % 2); call k+2 cannot start before that peer pushed call k+1, i.e.
 finished reading call k. Epochs are per program (bumped by the kernel; every program bumps its
@@ -95,11 +96,19 @@ def _word(n, FORM: tl.constexpr, X_KIND: tl.constexpr):
 
 @triton.jit
 def _signal_peer(peer, t, ep, word, flags_off, max_tiles, RANK: tl.constexpr, P: tl.constexpr):
-    """Write this call's word beside peer's flag [RANK][t], then set the flag to ep (after this
-    CTA's pushes)."""
+    """Write this call's word into peer's header [ep parity][RANK][t], then set its flag
+    [RANK][t] to ep (after this CTA's pushes). The headers have the slots' parity: a peer one
+    call ahead writes the other parity, so the word a slower rank checks is still its call's."""
     flags = (peer + flags_off).to(tl.pointer_type(tl.int64))
-    tl.store(flags + P * max_tiles + 1 + RANK * max_tiles + t, word)     # headers [P][tiles]
+    tl.store(_parity_headers(flags, ep, max_tiles, P) + RANK * max_tiles + t, word)
     signal(flags + RANK * max_tiles + t, ep)
+
+
+@triton.jit
+def _parity_headers(flags, ep, max_tiles, P: tl.constexpr):
+    """int64* of the call words [P][max_tiles] of epoch ep's parity (after the flags
+    [P][max_tiles] and the abort word: headers [2][P][max_tiles])."""
+    return flags + P * max_tiles + 1 + (ep % 2) * P * max_tiles
 
 
 @triton.jit
@@ -140,7 +149,8 @@ def _wait_peers(t, ep, word, table_ptr, flags_off, max_tiles, timeout, RANK: tl.
         if r != RANK:
             ok = ok & wait_geq(flags + r * max_tiles + t, ep, abort, err_rec,
                                RANK, 3, t, r, timeout, USE_TIMER)
-    peer, seen = first_other_call(abort + 1, max_tiles, t, word, RANK, P)
+    peer, seen = first_other_call(_parity_headers(flags, ep, max_tiles, P), max_tiles, t, word,
+                                  RANK, P)
     return refuse(ok, peer, seen, word, abort, err_rec, RANK, 6, t)
 
 
@@ -252,8 +262,8 @@ def oneshot_add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, rout_ptr, epochs_
 @dataclass(frozen=True)
 class OneShotLayout:
     """One rank's buffer: 2 parities x P sender slots of `slot` bytes, then int64 flags
-    [P][max_tiles], the abort word and the call words beside the flags [P][max_tiles]. Takes
-    messages of up to `cap_bytes` bytes per rank."""
+    [P][max_tiles], the abort word and the call words beside the flags, by parity as the slots
+    [2][P][max_tiles]. Takes messages of up to `cap_bytes` bytes per rank."""
 
     world_size: int
     cap_bytes: int
@@ -267,7 +277,7 @@ class OneShotLayout:
         slot = -(-cap_bytes // 256) * 256
         max_tiles = -(-(cap_bytes // 2) // ROW_MIN)           # 2-byte values: tiles or rows
         flags_off = 2 * world_size * slot
-        words = -(-(2 * world_size * max_tiles + 1) // 32) * 32
+        words = -(-(3 * world_size * max_tiles + 1) // 32) * 32
         return cls(world_size, cap_bytes, slot, max_tiles, flags_off, flags_off + 8 * words)
 
     def flag_words(self, buf: torch.Tensor) -> torch.Tensor:
