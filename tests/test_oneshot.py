@@ -80,14 +80,7 @@ def test_peer_a_call_ahead_leaves_the_slower_ranks_call_word():
     call 0: rank 0 still finds rank 1's call-0 word (the headers have the slots' parity), so
     no false mismatch is recorded, and both calls equal the reference on both ranks."""
     P = 2
-    lay = ok.OneShotLayout.build(P, CAP)
-    bufs = [torch.randint(0, 256, (lay.nbytes,), dtype=torch.uint8) for _ in range(P)]
-    for b in bufs:
-        lay.flag_words(b).zero_()
-    errs = [torch.zeros(8, dtype=torch.int64) for _ in range(P)]
-    tables = [torch.tensor([b.data_ptr() for b in bufs] + [errs[r].data_ptr()])
-              for r in range(P)]
-    epochs = [torch.zeros(2, dtype=torch.int64) for _ in range(P)]
+    lay, bufs, errs, tables, epochs = _ranks_in_one_process(P, CAP, 2)
     xs = _inputs(P)[:2]                           # 5000 bf16 values, then 1 fp16 value
     ys = [torch.full_like(x, 7.0) for x in xs]
 
