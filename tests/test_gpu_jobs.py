@@ -139,3 +139,20 @@ def test_knobs_and_parts(tmp_path):
     assert (tmp_path / ".work/data/wiki8k.json").read_text() == "wiki8k.json"
     assert [m.split(":")[0] for m in missing] == [f".work/data/gut108.{e}" for e in
                                                   ("bin", "json", "val.bin", "val.json")]
+
+
+def test_the_pieces_travel_from_the_folder_named(tmp_path, monkeypatch):
+    jobs = [JOBS["model-parts"]]
+    assert runner.carry_of(jobs) == [".work/parts"]
+    assert runner.carry_of(jobs, {"FROM": ".work/p1"}) == [".work/p1"]
+    assert ".work/p1" in runner.carry_of([JOBS["real-llm"]], {"FROM": ".work/p1"})
+    assert "FROM" in JOBS["real-llm"].knobs and "FROM" in JOBS["train-llm"].knobs
+    # the device side copies the pieces of the folder named into $M
+    (tmp_path / ".work/p1").mkdir(parents=True)
+    (tmp_path / ".work/p1/smol.part01").write_bytes(b"xyz")
+    m = tmp_path / "m"
+    job = JOBS["model-parts"]
+    subprocess.run(["bash", "-c", PRELUDE + job.script], cwd=tmp_path, check=True,
+                   capture_output=True, env={"PATH": "/usr/bin:/bin", "M": str(m),
+                                             "FROM": ".work/p1", "OUT": str(tmp_path)})
+    assert (m / "smol.part01").read_bytes() == b"xyz"

@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         if len(kinds) > 1:
             raise ValueError(f"the jobs ask for different kinds {kinds}: one call runs on one "
                              "machine; split the list")
-        carry = carry_of(jobs)
+        carry = carry_of(jobs, knobs)
         missing = prepare(jobs, a.source, a.parts)
         command = device_command(a.names, a.budget, knobs)
     except ValueError as e:

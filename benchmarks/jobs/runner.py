@@ -61,14 +61,18 @@ def parse_knobs(pairs: list[str], jobs: list[Job]) -> dict[str, str]:
 
 # ----- this machine: what to hand to the device tool -----
 
-def carry_of(jobs: list[Job]) -> list[str]:
+def carry_of(jobs: list[Job], knobs: dict[str, str] | None = None) -> list[str]:
     """The git-ignored paths the jobs read, each once, in order: a Carry's files one by one
-    (only they travel), or its folder where that would name more than the device tool's 8."""
+    (only they travel), or its folder where that would name more than the device tool's 8;
+    the model pieces' folder is the FROM knob's where one is set."""
+    pieces = (knobs or {}).get("FROM") or PARTS_DIR
+
     def collect(by_file: bool) -> list[str]:
         out: list[str] = []
         for j in jobs:
             for c in j.carry:
-                paths = [f"{c.path}/{f}" for f in c.files] if by_file and c.files else [c.path]
+                path = pieces if c.path == PARTS_DIR else c.path
+                paths = [f"{path}/{f}" for f in c.files] if by_file and c.files else [path]
                 out += [p for p in paths if p not in out]
         return out
 

@@ -65,7 +65,7 @@ eval_row() {
 }
 testbed_checkpoint() { ls -d .work/testbed/checkpoints/step-* | sort -t- -k2 -n | tail -1; }
 gguf_model() {  # NAME SHA256: the pieces $M/NAME.part* joined, checked, converted to $M/NAME-hf
-  M=${M:-/tmp/m}; mkdir -p "$M"; cp .work/parts/* "$M/" 2>/dev/null || true
+  M=${M:-/tmp/m}; mkdir -p "$M"; cp "${FROM:-.work/parts}"/* "$M/" 2>/dev/null || true
   python3 -c "import gguf" 2>/dev/null || { python3 -m pip install -q --no-index --no-deps \
     --no-compile --target /tmp/site .whl/gguf-*.whl && export PYTHONPATH=/tmp/site:$PWD/src; }
   [ -d "$M/$1-hf" ] && return 0
@@ -742,18 +742,21 @@ cp "$RUN"/{log.csv,val_rows.json,train_config.json,loss.png,telemetry.csv} "$OUT
 tail -2 "$OUT/train.log" | head -1 | cut -c1-220
 """),
     Job(name="model-parts", kind="nvidia-h200", seconds=10,
-        about="moves the GGUF pieces carried in .work/parts to /tmp/m, where they wait for "
-              "`real-llm` on the same machine (a model is larger than one call carries)",
-        knobs={"M": "/tmp/m"}, carry=(PARTS,),
+        about="moves the GGUF pieces carried in FROM (.work/parts) to /tmp/m, where they wait "
+              "for `real-llm` on the same machine (a model is larger than one call carries); "
+              "FROM names a folder prepared beforehand (.work/p0, .work/p1, ...), so the calls "
+              "can follow each other within the machine's warm spell",
+        knobs={"M": "/tmp/m", "FROM": ".work/parts"}, carry=(PARTS,),
         script=r"""
-mkdir -p "$M"; cp -v .work/parts/* "$M/" 2>/dev/null || echo "no pieces carried"
+mkdir -p "$M"; cp -v "$FROM"/* "$M/" 2>/dev/null || echo "no pieces carried in $FROM"
 ls -la "$M"
 """),
     Job(name="real-llm", kind="nvidia-h200", seconds=560,
         about="real pretrained LLMs: SmolLM2-135M (GGUF) at simulated TP=3 on WikiText-2 and "
               "Gutenberg, Gemma-3-270M (GGUF) at TP=2 and 4 on WikiText-2 (BOS 2), every comm "
               "config of the table, with KL; the pieces joined in /tmp/m (model-parts)",
-        knobs={"M": "/tmp/m", "REAL_COMMS": "16 8 echo8 4 echo4", "REAL_WINDOWS": "1000",
+        knobs={"M": "/tmp/m", "FROM": ".work/parts", "REAL_COMMS": "16 8 echo8 4 echo4",
+               "REAL_WINDOWS": "1000",
                "REAL_TEXTS": "wiki.valid.raw gutenberg-eval.txt",
                "REAL_MODELS": "smol gemma", "GEMMA_COMMS": "", "GEMMA_WINDOWS": "128"},
         carry=(TEXTS, GGUF_WHEEL, PARTS), records=("2026-12-04-real-llm.md",),
@@ -792,7 +795,8 @@ fi
         knobs={"STAGES": "test speed probe", "MODELS": "testbed smollm2", "SPEED_STEPS": "40",
                "SPEED_DATA": ".work/data/smol-train.bin", "PROFILE_STEPS": "3",
                "CONFIGS": "16 4 echo4", "SEEDS": "0 1", "LR": "", "STUDY_BUDGET": "",
-               "AT_ONCE": "1", "SIDE_TESTS": "", "W": "/tmp/train-llm", "M": "/tmp/m"},
+               "AT_ONCE": "1", "SIDE_TESTS": "", "W": "/tmp/train-llm", "M": "/tmp/m",
+               "FROM": ".work/parts"},
         carry=(SMOL_DATA, GGUF_WHEEL, PARTS),
         keep=("speed.json", "profile.txt", "profile.json", "study.json"),
         records=("2026-12-05-train-speed-graph.md",),
