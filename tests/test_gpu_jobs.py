@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -156,3 +157,25 @@ def test_the_pieces_travel_from_the_folder_named(tmp_path, monkeypatch):
                    capture_output=True, env={"PATH": "/usr/bin:/bin", "M": str(m),
                                              "FROM": ".work/p1", "OUT": str(tmp_path)})
     assert (m / "smol.part01").read_bytes() == b"xyz"
+
+
+def test_an_interrupted_run_packs_what_the_job_made(tmp_path, monkeypatch):
+    """SIGINT (the device command under `timeout -s INT`): the job's process group is killed,
+    what it wrote so far comes back packed, and the log says so."""
+    import os
+    import signal
+    import threading
+    jobs = {"slow": _trivial("slow", 'echo partial > "$OUT/part.txt"; echo ready; '
+                             'sleep 30; echo never > "$OUT/never.txt"', seconds=1)}
+    monkeypatch.setattr(runner, "JOBS", {**JOBS, **jobs})
+    out = tmp_path / "out"
+    t = threading.Timer(1.5, lambda: os.kill(os.getpid(), signal.SIGINT))
+    t0 = time.monotonic()
+    t.start()
+    with pytest.raises(KeyboardInterrupt):
+        runner.run_jobs(["slow"], budget=60, out=out, knobs={}, work_root=tmp_path / "work")
+    t.cancel()
+    assert time.monotonic() - t0 < 15                # the 30 s sleep did not run out
+    with tarfile.open(out / "slow.tgz") as tar:
+        assert tar.extractfile("./part.txt").read() == b"partial\n"
+    assert "INTERRUPTED slow" in (out / "jobs.log").read_text()

@@ -188,7 +188,13 @@ def run_jobs(names: list[str], *, budget: float, out: Path, knobs: dict[str, str
                **knobs, "OUT": str(work), KNOB_ENV: job.name}
         t0 = time.monotonic()
         log(f"START {job.name} ({job.seconds} s expected, {left:.0f} s left)")
-        rc = _run_script(PRELUDE + job.script, env, root, work / "job.log", left)
+        try:
+            rc = _run_script(PRELUDE + job.script, env, root, work / "job.log", left)
+        except KeyboardInterrupt:          # SIGINT (timeout -s INT): keep what the job made
+            status[job.name] = 130
+            log(f"INTERRUPTED {job.name} after {time.monotonic() - t0:.0f} s; packing")
+            pack(jobs, status, work_root, out)
+            raise
         status[job.name] = rc
         log(f"STOP {job.name} rc={rc} after {time.monotonic() - t0:.0f} s")
         pack(jobs, status, work_root, out)
@@ -206,10 +212,16 @@ def _run_script(script: str, env: dict, cwd: Path, log_path: Path, limit: float)
                              bufsize=1)
         deadline = time.monotonic() + limit
         killer = _Alarm(p, deadline)
-        for line in p.stdout:
-            sys.stdout.write(line)
-            logf.write(line)
-        p.wait()
+        try:
+            for line in p.stdout:
+                sys.stdout.write(line)
+                logf.write(line)
+            p.wait()
+        except BaseException:              # interrupted: the job's whole group goes too
+            killer.cancel()
+            killer.fire()
+            p.wait()
+            raise
         killer.cancel()
     return 124 if killer.fired else p.returncode
 
@@ -220,11 +232,11 @@ class _Alarm:
     def __init__(self, p: subprocess.Popen, deadline: float):
         self.fired = False
         self._p = p
-        self._timer = threading.Timer(max(0.0, deadline - time.monotonic()), self._fire)
+        self._timer = threading.Timer(max(0.0, deadline - time.monotonic()), self.fire)
         self._timer.daemon = True
         self._timer.start()
 
-    def _fire(self) -> None:
+    def fire(self) -> None:
         self.fired = True
         try:
             os.killpg(self._p.pid, signal.SIGKILL)
