@@ -122,6 +122,11 @@ def test_the_budget_skips_what_wont_fit_and_stops_an_overrun(tmp_path, monkeypat
     assert status["after"].startswith("skipped: needs 1 s")
     assert "started" in (tmp_path / "work/slow/job.log").read_text()
     assert sorted(p.name for p in out.iterdir()) == ["jobs.log", "slow.tgz"]
+    # a job as long as the whole budget runs when it comes first
+    exact = {"exact": _trivial("exact", "echo ok", seconds=7)}
+    monkeypatch.setattr(runner, "JOBS", {**JOBS, **exact})
+    assert runner.run_jobs(["exact"], budget=7, out=tmp_path / "o2", knobs={},
+                           work_root=tmp_path / "w2") == {"exact": 0}
 
 
 def test_knobs_and_parts(tmp_path):
