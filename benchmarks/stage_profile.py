@@ -71,33 +71,36 @@ PARTS = {
 }
 
 
-def config(name: str):
-    """The EchoConfig of a CONFIGS name."""
+def config(name: str, outlier: bool | None = None):
+    """The EchoConfig of a CONFIGS name (outlier: the packet's outlier word on or off; None:
+    EchoConfig's default)."""
     from echo_tp.config import EchoConfig
     bits, resid, sdt, compact = CONFIGS[name]
     betas = dict(beta1=0.5, beta2=0.5) if compact else dict(beta1=0.7, beta2=0.3)
+    word = {} if outlier is None else dict(outlier=outlier)
     return EchoConfig(bits=bits, eta=1.0 if resid else 0.0, residual=resid or "local",
-                      state_dtype=sdt, **betas)
+                      state_dtype=sdt, **betas, **word)
 
 
-def route_shape(P: int, n: int, name: str) -> tuple[int, int, int]:
+def route_shape(P: int, n: int, name: str, outlier: bool | None = None) -> tuple[int, int, int]:
     """(tile, warps, step) the routing policy picks for a staged call of n bf16 values."""
     from echo_tp.collective import routing, tuning
-    call = routing.Call.of(n, 2, config(name), P, on_gpu=True)
+    call = routing.Call.of(n, 2, config(name, outlier), P, on_gpu=True)
     r = routing.p2p_route(call, tuning.DEFAULT, "stage profile", form="staged")
     return r.tile, r.num_warps, r.step
 
 
 def stage_times(P: int, n: int, name: str, tile: int, warps: int, reps: int,
                 dev: str = "cuda", step: int | None = None,
-                stages: int | None = None, part: str = "all_reduce") -> dict:
+                stages: int | None = None, part: str = "all_reduce",
+                outlier: bool | None = None) -> dict:
     """One row: the median ms of each stage of `part` (PARTS) on rank 0, n values per rank
     (the all-reduce's and the reduce-scatter's input, the all-gather's output)."""
     from echo_tp.compensator import CompState
     from echo_tp.collective.simulated_fused import SimulatedFused
     names = PARTS[part]
     _, _, sdt, compact = CONFIGS[name]
-    cfg = config(name)
+    cfg = config(name, outlier)
     sim = SimulatedFused(P, tile_elems=tile, timeout_polls=10**7, step_elems=step or tile,
                          num_warps=warps, num_stages=stages)
     n_in = n // P if part == "all_gather" else n
@@ -115,7 +118,7 @@ def stage_times(P: int, n: int, name: str, tile: int, warps: int, reps: int,
     if dev != "cpu":
         torch.cuda.synchronize()
     out = {"P": P, "numel": n, "config": name, "part": part, "tile": tile, "warps": warps,
-           "step": step or tile, "num_stages": stages}
+           "step": step or tile, "num_stages": stages, "outlier": cfg.outlier}
     tail_share = n * (P - 1) / P if plans[0].own_y else n     # the reduce wrote the own y
     share = {"entry": n * (P - 1) / P, "reduce": n / P, "tail": tail_share, "encode": n / P}
     for stage in names:
@@ -170,7 +173,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--budget-s", type=float, default=240)
     ap.add_argument("--device", default="cuda", help="'cpu': a dry run under TRITON_INTERPRET")
+    ap.add_argument("--outlier", default="default", choices=("default", "on", "off"),
+                    help="the packet's outlier word (default: EchoConfig's)")
     args = ap.parse_args()
+    outlier = {"on": True, "off": False}.get(args.outlier)
     os.makedirs(args.out, exist_ok=True)
     t_end = time.time() + args.budget_s
     rows = []
@@ -184,7 +190,7 @@ def main() -> None:
         for name in args.configs.split(","):
             for shape in args.shapes.split(","):
                 if shape == "route":
-                    tile, warps, step = route_shape(P, args.numel, name)
+                    tile, warps, step = route_shape(P, args.numel, name, outlier)
                     stages = ""
                 else:
                     tile, rest = shape.split("x")
@@ -198,7 +204,7 @@ def main() -> None:
                     try:
                         row = stage_times(P, args.numel, name, tile, warps, args.reps,
                                           args.device, step, int(stages) if stages else None,
-                                          part)
+                                          part, outlier)
                     except Exception as e:   # one failing variant must not lose the others
                         row = {"P": P, "config": name, "part": part, "tile": tile,
                                "warps": warps, "error": f"{type(e).__name__}: {e}"[:300]}

@@ -85,6 +85,9 @@ def test_stage_profile_runs_on_the_cpu():
     sp = pytest.importorskip("stage_profile")
     row = sp.stage_times(2, 4096, "c4-loc-bf16c", 1024, 4, reps=1, dev="cpu", step=256)
     assert row["step"] == 256 and row["sum_ms"] > 0 and row["part"] == "all_reduce"
+    assert row["outlier"] is True                             # EchoConfig's default packet
+    off = sp.stage_times(2, 1024, "u4", 512, 4, reps=1, dev="cpu", outlier=False)
+    assert off["outlier"] is False and off["sum_ms"] > 0
     assert row["sum_ms"] == pytest.approx(row["entry_ms"] + row["reduce_ms"] + row["tail_ms"],
                                           abs=1e-3)
     for part, stages in (("reduce_scatter", ("entry", "reduce")), ("all_gather",
@@ -94,6 +97,26 @@ def test_stage_profile_runs_on_the_cpu():
         assert row["sum_ms"] == pytest.approx(sum(row[f"{s}_ms"] for s in stages), abs=1e-3)
     tile, warps, step = sp.route_shape(4, 1 << 29, "c4-loc-bf16c")
     assert tile >= step > 0 and warps > 0
+
+
+def test_stage_sass_counts_the_stage_kernels_with_and_without_the_outlier_word():
+    """benchmarks/stage_sass.py compiles the entry for sm_90 without a GPU (a fresh
+    interpreter without TRITON_INTERPRET: the compiled forms) and counts registers and
+    main-path instructions per value; the outlier word costs instructions."""
+    import subprocess
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root / "src")
+    rows = {}
+    for word in ("on", "off"):
+        proc = subprocess.run([sys.executable, str(root / "benchmarks" / "stage_sass.py"),
+                               "--configs", "u4", "--stages", "entry", "--outlier", word],
+                              env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        rows[word] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert rows["on"]["outlier"] is True and rows["off"]["outlier"] is False
+    assert rows["on"]["stage"] == "entry" and rows["on"]["registers"] > 0
+    assert rows["on"]["per_value"] > rows["off"]["per_value"] > 0
 
 
 def test_add_norm_boundary_runs_on_the_cpu():

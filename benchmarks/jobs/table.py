@@ -270,15 +270,17 @@ echo "e2e rc=$?"; grep -v "^#loc" $OUT/e2e.log | grep "^|" | tail -12
     Job(name="roofline", kind="nvidia-h200", seconds=590,
         about="the kernels' roofline on one GPU: the compiled kernels against torch while every "
               "stage-profile variant compiles, the entry ladder, the decode boundary, the "
-              "per-stage floors at 2^26 and 2^29 values per rank, P=2/4/8 (OLD_SRC: an older "
-              "checkout's root, carried, in the same call)",
+              "per-stage floors at 2^26 and 2^29 values per rank, P=2/4/8 (OLD_SRC, BASE_SRC: "
+              "older checkouts' roots, carried, in the same call, BASE_SRC at this tree's "
+              "shapes; NEW_OFF=1: this tree again with the packet's outlier word off)",
         knobs={"WORLDS": "2,4,8", "CONFIGS": "u4,c4-loc-bf16c,u8", "OLD_SRC": "",
+               "BASE_SRC": "", "NEW_OFF": "",
                "NEW_SHAPES": "4096x4s4096,8192x4s4096,16384x4s4096,8192x4s2048,16384x4s2048,"
                              "16384x4s1024",
                "OLD_SHAPES": "8192x4s2048,16384x4s2048,16384x4s1024", "TESTS": "1",
                "TEST_TIMEOUT": "420", "LADDER": "1", "DECODE": "1", "TEST_JOBS": "",
                "WARM_JOBS": "12"},
-        records=("2026-12-02-kernel-roofline.md",),
+        records=("2026-12-02-kernel-roofline.md", "2026-12-07-runner-h100.md"),
         script=r"""
 export ECHO_FLAG_TIMEOUT_S=20
 nvidia-smi -L; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
@@ -291,28 +293,39 @@ if [ "$TESTS" = 1 ]; then
 fi
 jobs=$(mktemp)
 for P in ${WORLDS//,/ }; do for c in ${CONFIGS//,/ }; do
-  for s in ${NEW_SHAPES//,/ }; do echo "$PWD/src $PWD/benchmarks $P $c $s" >> $jobs; done
+  for s in ${NEW_SHAPES//,/ }; do
+    echo "$PWD/src $PWD/benchmarks $P $c $s default" >> $jobs
+    [ -n "$NEW_OFF" ] && echo "$PWD/src $PWD/benchmarks $P $c $s off" >> $jobs
+    [ -n "$BASE_SRC" ] && echo "$PWD/$BASE_SRC/src $PWD/$BASE_SRC/benchmarks $P $c $s default" >> $jobs
+  done
   [ -n "$OLD_SRC" ] && for s in ${OLD_SHAPES//,/ }; do
-    echo "$PWD/$OLD_SRC/src $PWD/$OLD_SRC/benchmarks $P $c $s" >> $jobs; done
+    echo "$PWD/$OLD_SRC/src $PWD/$OLD_SRC/benchmarks $P $c $s default" >> $jobs; done
 done; done
 mkdir -p /tmp/warm
-xargs -P $WARM_JOBS -L 1 sh -c 'PYTHONPATH=$0 timeout 400 python3 $1/stage_profile.py --numel 67108864 \
-  --worlds $2 --configs $3 --shapes $4 --reps 1 --out /tmp/warm/$2-$3-$4-$$ > /dev/null 2>&1' < $jobs
+xargs -P $WARM_JOBS -L 1 sh -c 'w=""; [ "$5" = off ] && w="--outlier off"; PYTHONPATH=$0 \
+  timeout 400 python3 $1/stage_profile.py --numel 67108864 --worlds $2 --configs $3 \
+  --shapes $4 $w --reps 1 --out /tmp/warm/$2-$3-$4-$$ > /dev/null 2>&1' < $jobs
 echo "warm-up of $(wc -l < $jobs) variants in $(( $(date +%s) - T0 )) s"
 if [ -n "${TESTS_PID:-}" ]; then wait $TESTS_PID; echo "kernels_gpu rc=$?"; tail -3 $OUT/pytest_kernels_gpu.txt; fi
 T0=$(date +%s)
-[ "$LADDER" = 1 ] && PYTHONPATH=$PWD/src timeout 240 python3 benchmarks/entry_ladder.py --out $OUT > /tmp/ladder.log 2>&1
-echo "ladder rc=$? in $(( $(date +%s) - T0 )) s"
+if [ "$LADDER" = 1 ]; then
+  PYTHONPATH=$PWD/src timeout 240 python3 benchmarks/entry_ladder.py --out $OUT > /tmp/ladder.log 2>&1
+  echo "ladder rc=$? in $(( $(date +%s) - T0 )) s"
+fi
 T0=$(date +%s)
-[ "$DECODE" = 1 ] && PYTHONPATH=$PWD/src timeout 180 python3 benchmarks/decode_boundary.py --out $OUT > /tmp/decode.log 2>&1
-echo "decode_boundary rc=$? in $(( $(date +%s) - T0 )) s"; tail -25 /tmp/decode.log
+if [ "$DECODE" = 1 ]; then
+  PYTHONPATH=$PWD/src timeout 180 python3 benchmarks/decode_boundary.py --out $OUT > /tmp/decode.log 2>&1
+  echo "decode_boundary rc=$? in $(( $(date +%s) - T0 )) s"; tail -25 /tmp/decode.log
+fi
 for numel in 67108864 536870912; do
-  for tree in new ${OLD_SRC:+old}; do
-    src=$PWD/src; bench=$PWD/benchmarks; shapes=$NEW_SHAPES
+  for tree in new ${NEW_OFF:+new-off} ${BASE_SRC:+base} ${OLD_SRC:+old}; do
+    src=$PWD/src; bench=$PWD/benchmarks; shapes=$NEW_SHAPES; w=""
+    [ "$tree" = new-off ] && w="--outlier off"
+    [ "$tree" = base ] && src=$PWD/$BASE_SRC/src && bench=$PWD/$BASE_SRC/benchmarks
     [ "$tree" = old ] && src=$PWD/$OLD_SRC/src && bench=$PWD/$OLD_SRC/benchmarks && shapes=$OLD_SHAPES
     T0=$(date +%s)
     PYTHONPATH=$src timeout 300 python3 $bench/stage_profile.py --numel $numel --worlds $WORLDS \
-      --configs $CONFIGS --shapes $shapes --budget-s 240 --label $tree-$numel --out $OUT \
+      --configs $CONFIGS --shapes $shapes $w --budget-s 240 --label $tree-$numel --out $OUT \
       > /tmp/stages_$tree-$numel.log 2>&1
     echo "stage_profile $tree $numel rc=$? in $(( $(date +%s) - T0 )) s"
   done
@@ -759,7 +772,8 @@ ls -la "$M"
                "REAL_WINDOWS": "1000",
                "REAL_TEXTS": "wiki.valid.raw gutenberg-eval.txt",
                "REAL_MODELS": "smol gemma", "GEMMA_COMMS": "", "GEMMA_WINDOWS": "128"},
-        carry=(TEXTS, GGUF_WHEEL, PARTS), records=("2026-12-04-real-llm.md",),
+        carry=(TEXTS, GGUF_WHEEL, PARTS),
+        records=("2026-12-04-real-llm.md", "2026-12-07-runner-h100.md"),
         keep=("real_llm.log",),
         script=r"""
 set -e
