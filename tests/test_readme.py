@@ -112,3 +112,35 @@ def test_results_index_has_a_row_for_every_record_and_whole_rows():
         n = len(re.findall(r"(?<!\\)\|", line)) - 1
         width = n if width is None else width
         assert n == width, line[:120]
+
+
+GROUP_LIFETIME = """
+import os, sys
+import torch.distributed as dist
+import echo_tp  # noqa: F401   (what the README's blocks import first)
+
+def threads():
+    return len(os.listdir("/proc/self/task"))
+
+before = threads()
+dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:%d")
+import torch.distributed._shard.sharded_tensor  # noqa: F401  (transformers' loaders import it)
+dist.destroy_process_group()
+print(before, threads())
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
+def test_destroy_process_group_ends_gloo_after_echo_tp_and_transformers():
+    """README block 10's occasional SIGABRT at exit: torch.distributed.nn.functional binds
+    group.WORLD as a default argument when first imported; transformers' loaders import it
+    (through FSDP's sharded tensors) after the user's init_process_group, so the default group
+    outlived destroy_process_group and gloo's worker threads raced the interpreter's exit.
+    With echo_tp imported first, destroy_process_group ends the group: its threads are gone."""
+    from echo_tp.launch import _free_port
+    code = GROUP_LIFETIME % _free_port()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, PYTHONPATH=str(README.parent / "src")))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    before, after = map(int, proc.stdout.split())
+    assert after == before, f"{after - before} threads of the destroyed group still run"

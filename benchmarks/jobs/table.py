@@ -278,7 +278,7 @@ echo "e2e rc=$?"; grep -v "^#loc" $OUT/e2e.log | grep "^|" | tail -12
                "NEW_SHAPES": "4096x4s4096,8192x4s4096,16384x4s4096,8192x4s2048,16384x4s2048,"
                              "16384x4s1024",
                "OLD_SHAPES": "8192x4s2048,16384x4s2048,16384x4s1024", "TESTS": "1",
-               "TEST_TIMEOUT": "420", "LADDER": "1", "DECODE": "1", "TEST_JOBS": "",
+               "TEST_TIMEOUT": "420", "TEST_K": "", "LADDER": "1", "DECODE": "1", "TEST_JOBS": "",
                "WARM_JOBS": "12"},
         records=("2026-12-02-kernel-roofline.md", "2026-12-07-runner-h100.md"),
         script=r"""
@@ -286,8 +286,8 @@ export ECHO_FLAG_TIMEOUT_S=20
 nvidia-smi -L; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 T0=$(date +%s)
 if [ "$TESTS" = 1 ]; then
-  PYTHONPATH=$PWD/src timeout $TEST_TIMEOUT python3 -m pytest -q -p no:cacheprovider \
-    ${TEST_JOBS:+-n $TEST_JOBS} tests/test_kernels_gpu.py \
+  PYTHONPATH=$PWD/src timeout -s INT $TEST_TIMEOUT python3 -m pytest -q -p no:cacheprovider \
+    ${TEST_JOBS:+-n $TEST_JOBS} ${TEST_K:+-k "$TEST_K"} tests/test_kernels_gpu.py \
     > $OUT/pytest_kernels_gpu.txt 2>&1 &
   TESTS_PID=$!
 fi

@@ -20,6 +20,13 @@ import logging
 
 import torch
 import torch.distributed as dist
+# torch.distributed.nn.functional binds `group.WORLD` as its functions' default argument when it
+# is first imported. Imported after init_process_group (transformers' loaders import it through
+# FSDP and sharded tensors), it holds the default group past destroy_process_group: gloo's
+# worker threads then outlive the group and can race the interpreter's exit (SIGABRT,
+# "terminate called without an active exception"). Imported with echo_tp, before the group
+# exists, it binds None.
+import torch.distributed.nn.functional  # noqa: F401
 
 from .. import envs
 from .inband import (OPS, CallLengthMismatch, CallLengths, Widths, byte_numels, byte_row,
