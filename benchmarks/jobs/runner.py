@@ -206,46 +206,53 @@ def run_jobs(names: list[str], *, budget: float, out: Path, knobs: dict[str, str
 
 def _run_script(script: str, env: dict, cwd: Path, log_path: Path, limit: float) -> int:
     """bash -c script, its output to stdout and log_path; killed (its process group) after
-    `limit` seconds: exit status 124, as timeout(1) gives."""
+    `limit` seconds: exit status 124, as timeout(1) gives.
+
+    A thread copies the output; the main thread polls every POLL_S. So a SIGINT reaches it as
+    KeyboardInterrupt whichever thread the kernel hands the signal to (a main thread blocked
+    reading the pipe would sleep through a signal taken by another thread), and the job's
+    whole group is killed before it propagates."""
     with open(log_path, "w") as logf:
         p = subprocess.Popen(["bash", "-c", script], cwd=cwd, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, start_new_session=True, text=True,
                              bufsize=1)
+        copier = threading.Thread(target=_copy_lines, args=(p.stdout, logf), daemon=True)
+        copier.start()
         deadline = time.monotonic() + limit
-        killer = _Alarm(p, deadline)
+        timed_out = False
         try:
-            for line in p.stdout:
-                sys.stdout.write(line)
-                logf.write(line)
+            while p.poll() is None:
+                if time.monotonic() >= deadline:
+                    timed_out = True
+                    _kill_group(p)
+                    break
+                time.sleep(POLL_S)
             p.wait()
         except BaseException:              # interrupted: the job's whole group goes too
-            killer.cancel()
-            killer.fire()
+            _kill_group(p)
             p.wait()
+            copier.join(5)
             raise
-        killer.cancel()
-    return 124 if killer.fired else p.returncode
+        copier.join(5)
+    return 124 if timed_out else p.returncode
 
 
-class _Alarm:
-    """Kills a process group at a deadline (a thread: the reader loop blocks on its output)."""
+POLL_S = 0.1
+"""How often the runner looks at a running job (its deadline, a pending SIGINT)."""
 
-    def __init__(self, p: subprocess.Popen, deadline: float):
-        self.fired = False
-        self._p = p
-        self._timer = threading.Timer(max(0.0, deadline - time.monotonic()), self.fire)
-        self._timer.daemon = True
-        self._timer.start()
 
-    def fire(self) -> None:
-        self.fired = True
-        try:
-            os.killpg(self._p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+def _copy_lines(stream, logf) -> None:
+    """Each line of stream to stdout and logf, until the job's output closes."""
+    for line in stream:
+        sys.stdout.write(line)
+        logf.write(line)
 
-    def cancel(self) -> None:
-        self._timer.cancel()
+
+def _kill_group(p: subprocess.Popen) -> None:
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def pack(jobs: list[Job], status: dict, work_root: Path, out: Path) -> list[Path]:
