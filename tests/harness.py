@@ -123,8 +123,8 @@ def edge_input(P, n, dtype, call, seed):
 
 
 def outlier_groups(rows: int, groups: int, g: int, dtype, seed: int, nonfinite: bool = True):
-    """[rows, groups*g] groups for the outlier word (quant.py: each group's first largest
-    |value| as fp16 where it is an fp16 normal), one random kind each: a massive value (30 to
+    """[rows, groups*g] groups for the outlier word (quant.py: each group's largest |value|,
+    +|v| before -|v| then the first index, as fp16 where it is an fp16 normal), one random kind each: a massive value (30 to
     3000) at a random place; tied largest |values| (same sign, or +v and -v); the largest
     |value| at fp16's edges (65504, 2^-14, just past them: 65505, 65519, 2^-14 - ulp, 1e5, 1e-6
     groups; fp16 inputs stop at 65504); a largest value halfway between two fp16 values

@@ -29,14 +29,15 @@ the device and on the input NaN), so NaN-ness must match position by position. Z
 canonical (+0.0, both sides add 0.0 before the fp16 cast). Everything else matches bit for bit.
 
 When a case fails, look first at: the row printed by the assertion (which group differs);
-quant.py's docstring (the edge-case rules) against quant_kernels._group_params; a division that
+quant.py's docstring (the edge-case rules) against quant_kernels._range_params; a division that
 is not tl.math.div_rn (Triton's `/` is approximate); an FMA (every launch passes
 LAUNCH_OPTS = enable_fp_fusion=False); the interpreter's own casts (fp32 -> bf16 truncates under
 TRITON_INTERPRET, which is why the kernels cast bf16 by bit arithmetic). For the fused test:
 the rank-order sum in reduce_kernel and the residual formulas in qar._local_residual. Only
-with the outlier word: quant_kernels._outlier_slots (the first index, the sign, fp16's range),
-_put_outlier / _decode_regs (where the word is put back), allreduce_kernels._outlier_off
-against Layout.outlier_off.
+with the outlier word: quant_kernels._outlier_slots (v from lo and hi, its first index, fp16's
+range, the NaN it leaves at the slot), _mark (the marker where that NaN is), _put_outlier /
+_decode_regs (where the word is put back), allreduce_kernels._outlier_off against
+Layout.outlier_off.
 """
 from __future__ import annotations
 

@@ -26,7 +26,8 @@ the compiled forms to torch's reference on fresh random inputs:
     encode/decode test above with and without it, its own cases (harness.outlier_groups), the
     stage kernels on outlier calls (FUSED_OUTLIER), a boundary, two halves and a communicator
     case. Where only these fail, look first at quant_kernels._outlier_slots' compiled form (the
-    NaN-propagating max of |x|, the key's min) and allreduce_kernels._outlier_off.
+    first index's min; the min and max that must drop the slot's NaN) and
+    allreduce_kernels._outlier_off.
 """
 from __future__ import annotations
 

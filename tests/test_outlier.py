@@ -3,7 +3,7 @@ fresh random inputs with massive values.
 
 Compared: quant_dequant(x) with x itself (the outlier slot carries x's fp16 rounding, every
 other value lies within half a step of the grid built from the other g-1 values), the marked
-slots with the first largest |value| of each group, the wire layout with packet_bytes, the
+slots with each group's largest |value| (+|v| before -|v|, then the first index), the wire layout with packet_bytes, the
 groups that take no outlier (zero, tiny, beyond fp16, NaN/Inf) with their defined answers,
 and the quantized all-reduce with the word on simulated ranks against real gloo ranks, bit for
 bit. If the grid bound fails, look first at quant.outlier_slots (which slot) and
@@ -37,8 +37,11 @@ def test_outlier_slot_and_grid(policy, bits, dtype):
         x = massive(8, 1024, 100 * bits + seed, dtype)
         xg = x.float().reshape(-1, spec.group_size)
         slots = quant.outlier_slots(xg)
-        # the first largest |value| of every (finite, normal-range) group
-        first = xg.abs().argmax(-1)
+        # the largest |value| of every (finite, normal-range) group, +|v| before -|v|, then
+        # its first index
+        m = xg.abs().amax(-1, keepdim=True)
+        v = torch.where((xg == m).any(-1, keepdim=True), m, -m)
+        first = (xg == v).to(torch.uint8).argmax(-1)
         assert torch.equal(slots.float().argmax(-1), first) and torch.all(slots.sum(-1) == 1)
         y = quant.quant_dequant(x, spec).reshape(xg.shape)
         assert torch.equal(y[slots], xg[slots].half().float())
@@ -97,6 +100,10 @@ def test_groups_without_outlier():
     tie = torch.zeros(g)
     tie[[3, 40]] = -2.0                          # a tie: the first index takes the word
     assert quant.outlier_slots(tie.reshape(1, g))[0].nonzero().flatten().tolist() == [3]
+    tie[50] = 2.0                                # +v and -v: +v takes it, wherever it sits
+    assert quant.outlier_slots(tie.reshape(1, g))[0].nonzero().flatten().tolist() == [50]
+    tie[60] = 2.0
+    assert quant.outlier_slots(tie.reshape(1, g))[0].nonzero().flatten().tolist() == [50]
 
 
 def test_outlier_config_and_spec():

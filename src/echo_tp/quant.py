@@ -44,13 +44,13 @@ Edge cases, defined here once (kernels copy them):
 Codes: asymmetric q in [0, L]; symmetric q + 2^(b-1) in [1, 2^b - 1]. At b = 4 element 2t sits in
 the low nibble of byte t and element 2t+1 in the high nibble.
 
-Outlier word (QuantSpec.outlier): each group's largest |value| v (the first index among ties)
-travels as its fp16 value (round to nearest even) in a 16-bit word beside the scale word, and
-its code slot holds the marker code (2^b - 1 asymmetric, where the grid then tops out at
-L = 2^b - 2; 0 symmetric, a code the symmetric grid never uses). lo, hi and so the grid are
-those of the other g - 1 values. A receiver decodes the grid and puts v at the marked slot of
-a group whose word is not 0 (a NaN group's codes are 0, the symmetric marker: its values stay
-NaN).
+Outlier word (QuantSpec.outlier): each group's largest |value| v (v = hi where hi >= -lo, else
+lo: +|v| before -|v| where both occur; its slot the first index holding v) travels as its fp16
+value (round to nearest even) in a 16-bit word beside the scale word, and its code slot holds
+the marker code (2^b - 1 asymmetric, where the grid then tops out at L = 2^b - 2; 0 symmetric, a
+code the symmetric grid never uses). lo, hi and so the grid are those of the other g - 1 values.
+A receiver decodes the grid and puts v at the marked slot of a group whose word is not 0 (a NaN
+group's codes are 0, the symmetric marker: its values stay NaN).
 A group takes no outlier (no marked slot, word 0, the grid over all g values) when v is not an
 fp16 normal value (|v| < 2^-14 or |v| > 65504: fp16 would round it coarser than the grid) or
 the group holds NaN/Inf. Massive activations (one channel of a token 100-1000x the rest) are
@@ -164,12 +164,14 @@ def _step(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
 
 def outlier_slots(xg: torch.Tensor) -> torch.Tensor:
     """xg fp32 [..., G, g] -> bool [..., G, g]: each group's outlier slot (module docstring:
-    the first largest |value|, where that value is an fp16 normal and the group finite)."""
-    a = xg.abs()
-    idx = a.argmax(dim=-1, keepdim=True)      # first index of the max (NaN groups: ignored)
-    v = a.gather(-1, idx)
+    v = hi where hi >= -lo, else lo, at the first index holding it, where v is an fp16 normal
+    and the group finite)."""
+    lo = xg.amin(dim=-1, keepdim=True)
+    hi = xg.amax(dim=-1, keepdim=True)
+    v = torch.where(hi >= -lo, hi, lo)        # the largest |value|; +v before -v (NaN: NaN)
+    idx = (xg == v).to(torch.uint8).argmax(dim=-1, keepdim=True)   # its first index
     finite = torch.isfinite(xg).all(dim=-1, keepdim=True)
-    ok = finite & (v >= OUTLIER_MIN) & (v <= FP16_MAX)
+    ok = finite & (v.abs() >= OUTLIER_MIN) & (v.abs() <= FP16_MAX)
     return torch.zeros_like(xg, dtype=torch.bool).scatter_(-1, idx, ok)
 
 

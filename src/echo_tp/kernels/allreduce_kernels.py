@@ -309,10 +309,10 @@ def _entry_step(x_ptr, m1_ptr, m2_ptr, fs_ptr, e, emask, eta, a, oma, X_KIND: tl
     error)."""
     xp, m1, m2, xs, f = _x_scaled(x_ptr, m1_ptr, m2_ptr, fs_ptr, e, emask, eta, a, oma,
                                   X_KIND, COMP, SCALED)
-    sw, sf, z16, zf, finite, q, slot, word = _quantize(xs, GS, VT, BITS, QUANT, LEVELS, QMAX,
+    sw, sf, z16, zf, finite, q, word = _quantize(xs, GS, VT, BITS, QUANT, LEVELS, QMAX,
                                                        OUTLIER)
     if LOCAL:
-        err = xs - _decode_regs(q, sf, zf, slot, word, QUANT, QMAX, True, OUTLIER)  # x' - x^
+        err = xs - _decode_regs(q, sf, zf, word, BITS, QUANT, QMAX, True, OUTLIER)  # x' - x^
         if SCALED:
             err = err * tl.math.div_rn(tl.full([], 1.0, tl.float32), f)
     else:
@@ -372,7 +372,7 @@ def _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_ptr
                 _update(m1_ptr, m2_ptr, e, gated(emask, ok), m1, m2, tl.zeros_like(acc), b1,
                         omb1, b2, omb2, COMP)
         else:
-            sw, sf, z16, zf, finite, q, oslot, word = _quantize(acc, GS, VT, BITS, QUANT,
+            sw, sf, z16, zf, finite, q, word = _quantize(acc, GS, VT, BITS, QUANT,
                                                                 LEVELS, QMAX, OUTLIER)
             pmask = gated(gmask, ok)
             for i in tl.static_range(P):                   # own slot last
@@ -381,13 +381,13 @@ def _reduce_tile(t, ep, x_ptr, m1_ptr, m2_ptr, y_ptr, res_ptr, fs_ptr, table_ptr
                               VT, QUANT, OUTLIER)
             if HALF == 2:
                 if LOCAL:
-                    u = xs - _decode_regs(q, sf, zf, oslot, word, QUANT, QMAX, True,
+                    u = xs - _decode_regs(q, sf, zf, word, BITS, QUANT, QMAX, True,
                                           OUTLIER)                    # x' - x^
                     if SCALED:
                         u = u * tl.math.div_rn(tl.full([], 1.0, tl.float32), f)
                     _update(m1_ptr, m2_ptr, e, emask, m1, m2, u, b1, omb1, b2, omb2, COMP)
             elif LOCAL or OWN_Y:
-                y32 = _decode_regs(q, sf, zf, oslot, word, QUANT, QMAX, SCALED,
+                y32 = _decode_regs(q, sf, zf, word, BITS, QUANT, QMAX, SCALED,
                                    OUTLIER)                       # the packet's decode
                 if SCALED:
                     inv = tl.math.div_rn(tl.full([], 1.0, tl.float32), f)

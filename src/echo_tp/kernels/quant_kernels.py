@@ -1,9 +1,9 @@
 """Triton group quantizer and dequantizer, bit-exact with the torch reference (quant.py).
 
-Device helpers (`_rint`, `_group_params`, `_codes`, `_dequant`, packing, dtype casts) are shared
-by the fused all-reduce kernels (allreduce_kernels.py); `quantize_kernel` / `dequantize_kernel`
-with their host wrappers `encode` / `decode` are the standalone form, tested against
-quant.encode / quant.decode on fresh random inputs (tests/test_kernels.py).
+Device helpers (`_rint`, `_group_params` / `_range_params`, `_codes`, `_dequant`, packing, dtype
+casts) are shared by the fused all-reduce kernels (allreduce_kernels.py); `quantize_kernel` /
+`dequantize_kernel` with their host wrappers `encode` / `decode` are the standalone form, tested
+against quant.encode / quant.decode on fresh random inputs (tests/test_kernels.py).
 
 Exactness rules every helper follows (quant.py's docstring is the authority):
   * one fp32 rounding per operation: kernels launch with enable_fp_fusion=False (no FMA
@@ -28,7 +28,7 @@ Exactness rules every helper follows (quant.py's docstring is the authority):
     scalar divisor into a reciprocal multiply), so every division here is div_rn too;
   * the outlier word (QuantSpec.outlier) is the constexpr OUTLIER: off, every helper compiles
     to the code it had before the word existed. On: `_outlier_slots` finds each group's slot
-    and word, `_group_params` leaves the slot out of lo and hi, `_mark` writes the marker code
+    and word and the other values' lo and hi, `_mark` writes the marker code
     there, `_put_outlier` / `_decode_regs` put the word back on decode.
 """
 from __future__ import annotations
@@ -307,27 +307,35 @@ def _word_scale(w):
 
 
 @triton.jit
-def _group_params(x, QUANT: tl.constexpr, LEVELS: tl.constexpr, QMAX: tl.constexpr, slot=None,
-                  OUTLIER: tl.constexpr = False):
-    """x fp32 [V, SG, T, 8] -> per group [1, SG, 1, 1]: (scale words int16, sf fp32, z16 fp16,
-    zf fp32, finite bool); the zero outputs are unused for the symmetric policy.
-    OUTLIER: slot (bool [V, SG, T, 8], `_outlier_slots`) is left out of lo and hi
-    (quant.group_params with slots). A slot is only ever set in a finite group, so `finite`
-    reads the same from the other values."""
-    if OUTLIER:
-        xlo = tl.where(slot, float("inf"), x)
-        xhi = tl.where(slot, float("-inf"), x)
-    else:
-        xlo = x
-        xhi = x
-    if HW_FORMS:                                         # NaN in the group -> lo, hi NaN
-        lo = _group_min_nan(xlo)
-        hi = _group_max_nan(xhi)
+def _group_range(x):
+    """x fp32 [V, SG, T, 8] -> per group [1, SG, 1, 1]: (lo, hi, finite); compiled, NaN in
+    the group makes lo and hi NaN."""
+    if HW_FORMS:
+        lo = _group_min_nan(x)
+        hi = _group_max_nan(x)
         finite = (lo >= -3.4028234663852886e38) & (hi <= 3.4028234663852886e38)
     else:   # the interpreter runs custom reductions element by element in Python: builtins
         finite = _group_min((tl.abs(x) <= 3.4028234663852886e38).to(tl.int32)) > 0
-        lo = _group_min(xlo)
-        hi = _group_max(xhi)
+        lo = _group_min(x)
+        hi = _group_max(x)
+    return lo, hi, finite
+
+
+@triton.jit
+def _group_params(x, QUANT: tl.constexpr, LEVELS: tl.constexpr, QMAX: tl.constexpr):
+    """x fp32 [V, SG, T, 8] -> per group [1, SG, 1, 1]: (scale words int16, sf fp32, z16 fp16,
+    zf fp32, finite bool) (quant.group_params); the zero outputs are unused for the symmetric
+    policy."""
+    lo, hi, finite = _group_range(x)
+    sw, sf, z16, zf = _range_params(lo, hi, finite, QUANT, LEVELS, QMAX)
+    return sw, sf, z16, zf, finite
+
+
+@triton.jit
+def _range_params(lo, hi, finite, QUANT: tl.constexpr, LEVELS: tl.constexpr,
+                  QMAX: tl.constexpr):
+    """A group's lo, hi, finite ([1, SG, 1, 1]) -> (scale words int16, sf fp32, z16 fp16, zf
+    fp32): quant.group_params' arithmetic after the min and max."""
     d = tl.maximum(tl.maximum(lo, hi * -1.0), 0.0)    # distance from 0 to [lo, hi]
     if QUANT == 2:
         amax = tl.maximum(tl.abs(lo), tl.abs(hi))
@@ -356,7 +364,7 @@ def _group_params(x, QUANT: tl.constexpr, LEVELS: tl.constexpr, QMAX: tl.constex
         z = z + 0.0                                     # -0.0 -> +0.0, as quant.py
         z16 = tl.minimum(tl.maximum(z, -65504.0), 65504.0).to(tl.float16)
         z16 = tl.where(finite, z16, _nan16(z16))
-    return sw, sf, z16, z16.to(tl.float32), finite
+    return sw, sf, z16, z16.to(tl.float32)
 
 
 @triton.jit
@@ -397,24 +405,42 @@ def _dequant(qf, sf, zf, QUANT: tl.constexpr, QMAX: tl.constexpr, SAT: tl.conste
 
 
 @triton.jit
-def _outlier_slots(x, GS: tl.constexpr, VT: tl.constexpr):
-    """x fp32 [V, SG, T, 8] -> (slot bool [V, SG, T, 8], word fp16 [1, SG, 1, 1]): each group's
-    first largest |value| v where v is an fp16 normal and the group finite (quant.outlier_slots),
-    and its outlier word fp16(v) (round to nearest even; +0.0 where the group takes none).
-    One max of |x| per group, then one min of the key 2*index + sign over the values equal to
-    it: the first index and v's sign in one reduction."""
-    a = tl.abs(x)
-    if HW_FORMS:
-        amax = _group_max_nan(a)                  # NaN in the group -> NaN, Inf -> Inf
-    else:   # the interpreter's tl.max skips NaN: non-finite values count as +inf
-        amax = _group_max(tl.where(a <= 3.4028234663852886e38, a, float("inf")))
-    ok = (amax >= 6.103515625e-05) & (amax <= 65504.0)   # fp16 normal: false for NaN, Inf
-    lane = _lanes(GS, VT)                                 # [V, 1, T, 8]: index in the group
-    key = tl.where(a == amax, lane * 2 + (x < 0.0).to(tl.int32), 2 * GS)
-    k = _group_min(key)                                   # [1, SG, 1, 1]
-    slot = (lane == (k >> 1)) & ok
-    v = tl.where((k & 1) != 0, amax * -1.0, amax)
-    return slot, tl.where(ok, v, 0.0).to(tl.float16)
+def _inner_lanes(VT: tl.constexpr):
+    """[V, 1, 1, 8] int32: a value's index among the VT a thread holds of its group (_lanes
+    without the thread's base t*VT): a constant per register."""
+    return tl.arange(0, VT // 8)[:, None, None, None] * 8 + tl.arange(0, 8)[None, None, None, :]
+
+
+@triton.jit
+def _outlier_slots(x, lo, hi, finite, GS: tl.constexpr, VT: tl.constexpr):
+    """x fp32 [V, SG, T, 8] and its groups' lo, hi, finite ([1, SG, 1, 1], _group_range) ->
+    (xo [V, SG, T, 8]: x with NaN at the outlier's slot, word fp16, lo', hi' [1, SG, 1, 1])
+    (quant.outlier_slots): the outlier v = hi where hi >= -lo, else lo, taken where |v| is an
+    fp16 normal and the group finite; its slot the first index holding v; its word fp16(v)
+    (round to nearest even; +0.0 where the group takes none); lo' and hi' those of the other
+    values, the min and max of xo that drop NaN (a group with a slot is finite).
+
+    The slot travels as that NaN (`_mark` finds it), not as a predicate per value held live
+    from here to the codes. One min reduction finds it (over the lane where x == v; a lane's
+    in-thread part is a constant per register, `_inner_lanes`, so the min is a chain of
+    selects; the thread's part base is added once)."""
+    pos = hi >= lo * -1.0                                 # v = hi (NaN groups: v = lo, NaN)
+    v = tl.where(pos, hi, lo)
+    a = tl.abs(v)
+    ok = (a >= 6.103515625e-05) & (a <= 65504.0) & finite   # fp16 normal: false for NaN, Inf
+    inner = _inner_lanes(VT)
+    base = tl.arange(0, GS // VT)[None, None, :, None] * VT   # [1, 1, T, 1]: the thread's
+    first = tl.min(tl.min(tl.where(x == v, inner, GS), 3, keep_dims=True), 0, keep_dims=True)
+    k = tl.min(first + base, 2, keep_dims=True)           # [1, SG, 1, 1]: v's first index
+    slot = tl.where(ok, k, GS) - base                     # no slot: >= GS - base >= VT
+    xo = tl.where(inner == slot, float("nan"), x)
+    if HW_FORMS:                                          # PTX min / max drop NaN
+        lo2 = _group_min(xo)
+        hi2 = _group_max(xo)
+    else:
+        lo2 = _group_min(tl.where(xo == xo, xo, float("inf")))
+        hi2 = _group_max(tl.where(xo == xo, xo, float("-inf")))
+    return xo, tl.where(ok, v, 0.0).to(tl.float16), lo2, hi2
 
 
 @triton.jit
@@ -428,9 +454,10 @@ def _marker(BITS: tl.constexpr, QUANT: tl.constexpr):
 
 
 @triton.jit
-def _mark(t, slot, BITS: tl.constexpr, QUANT: tl.constexpr):
-    """Magic-rounded codes t [V, SG, T, 8] with the marker code at the outlier slots."""
-    return tl.where(slot, KMAGIC + _marker(BITS, QUANT), t)
+def _mark(t, xo, finite, BITS: tl.constexpr, QUANT: tl.constexpr):
+    """Magic-rounded codes t [V, SG, T, 8] with the marker code at the outlier slots: the NaN
+    of xo (`_outlier_slots`) in a finite group."""
+    return tl.where((xo != xo) & finite, KMAGIC + _marker(BITS, QUANT), t)
 
 
 @triton.jit
@@ -447,29 +474,29 @@ def _put_outlier(out, qf, word, BITS: tl.constexpr, QUANT: tl.constexpr):
 def _quantize(x, GS: tl.constexpr, VT: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
               LEVELS: tl.constexpr, QMAX: tl.constexpr, OUTLIER: tl.constexpr):
     """x fp32 [V, SG, T, 8] -> (scale words, sf, z16, zf, finite, magic-rounded codes t,
-    slot, word) (quant.encode's arithmetic). OUTLIER: slot and word of `_outlier_slots`, the
-    marker code at the slot; off: slot and word are placeholders (finite, z16), never read."""
+    word) (quant.encode's arithmetic). OUTLIER: the word of `_outlier_slots`, the marker code
+    at the slot; off: word is a placeholder (z16), never read."""
+    lo, hi, finite = _group_range(x)
+    if OUTLIER:                                     # x: NaN at the slot, coded as the marker
+        x, word, lo, hi = _outlier_slots(x, lo, hi, finite, GS, VT)
+    sw, sf, z16, zf = _range_params(lo, hi, finite, QUANT, LEVELS, QMAX)
+    t = _codes(x, sf, zf, finite, QUANT, LEVELS, QMAX)
     if OUTLIER:
-        slot, word = _outlier_slots(x, GS, VT)
-        sw, sf, z16, zf, finite = _group_params(x, QUANT, LEVELS, QMAX, slot, True)
-        t = _mark(_codes(x, sf, zf, finite, QUANT, LEVELS, QMAX), slot, BITS, QUANT)
+        t = _mark(t, x, finite, BITS, QUANT)
     else:
-        sw, sf, z16, zf, finite = _group_params(x, QUANT, LEVELS, QMAX)
-        t = _codes(x, sf, zf, finite, QUANT, LEVELS, QMAX)
-        slot = finite
         word = z16
-    return sw, sf, z16, zf, finite, t, slot, word
+    return sw, sf, z16, zf, finite, t, word
 
 
 @triton.jit
-def _decode_regs(t, sf, zf, slot, word, QUANT: tl.constexpr, QMAX: tl.constexpr,
+def _decode_regs(t, sf, zf, word, BITS: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr,
                  SAT: tl.constexpr, OUTLIER: tl.constexpr):
     """What a receiver decodes from `_quantize`'s outputs, from registers: `_dequant` of the
-    codes, OUTLIER: the word at the slot (the slot is exactly where `_put_outlier` finds the
-    marker with a nonzero word)."""
-    out = _dequant(t - KMAGIC, sf, zf, QUANT, QMAX, SAT)
+    codes, OUTLIER: the word where the code is the marker (`_put_outlier`, as the receiver)."""
+    qf = t - KMAGIC
+    out = _dequant(qf, sf, zf, QUANT, QMAX, SAT)
     if OUTLIER:
-        out = tl.where(slot, word.to(tl.float32), out)
+        out = _put_outlier(out, qf, word, BITS, QUANT)
     return out
 
 
@@ -569,7 +596,7 @@ def quantize_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, n_groups, outlier_ptr
     grp = _groups(tl.program_id(0).to(tl.int64) * BG, BG)           # [1, BG, 1, 1]
     gmask = grp < n_groups
     x = _load_f32(x_ptr + grp * GS + _lanes(GS, VT), gmask, X_KIND)  # [V, BG, T, 8]
-    sw, sf, z16, zf, finite, t, slot, word = _quantize(x, GS, VT, BITS, QUANT, LEVELS, QMAX,
+    sw, sf, z16, zf, finite, t, word = _quantize(x, GS, VT, BITS, QUANT, LEVELS, QMAX,
                                                        OUTLIER)
     _store_codes(codes_ptr, grp, gmask, t, GS, BITS, VT)
     _store_words(scale_ptr.to(tl.pointer_type(tl.int16)) + grp, sw, gmask)
