@@ -285,13 +285,13 @@ def test_spec_validation():
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("bits", (4, 8))
 def test_outlier_word_semantics(policy, bits):
-    """QuantSpec.outlier (module docstring): the first largest |value| travels as fp16 (RNE)
-    at a marked slot, the grid spans the rest; no outlier (word 0, no marker, the grid over
+    """QuantSpec.outlier (module docstring): the largest |value| (+v before -v) travels as
+    fp16 (RNE) at a marked slot, the grid spans the rest; no outlier (word 0, no marker, the grid over
     every value) outside fp16's normal range; NaN/Inf groups decode to NaN in every element,
     also where their codes (0) are the symmetric marker."""
     spec = QuantSpec(bits=bits, quantizer=policy, group_size=8, outlier=True)
     nan, inf = float("nan"), float("inf")
-    x = torch.tensor([[1.0, -2.0, 3.0, -1024.5, 4.0, 1024.5, 0.5, 0.25],    # tie: the first
+    x = torch.tensor([[1.0, -2.0, 3.0, -1024.5, 4.0, 1024.5, 0.5, 0.25],    # tie: +v takes it
                       [1.0, 2.0, 3.0, 65505.0, 4.0, 5.0, 6.0, 7.0],         # past fp16: none
                       [1e-5, 2e-5, -3e-5, 2.0 ** -15, 0.0, 0.0, 0.0, 1e-6],  # below 2^-14
                       [1.0, 2.0, nan, 300.0, 4.0, 5.0, 6.0, 7.0],
@@ -300,20 +300,20 @@ def test_outlier_word_semantics(policy, bits):
     p = quant.encode(x, spec)
     codes = p.codes if bits == 8 else quant.unpack4(p.codes)
     codes = codes.reshape(6, 8)
-    assert p.outlier.tolist() == [[-1024.0], [0.0], [0.0], [0.0], [0.0], [3.0]]  # RNE
-    assert (codes[0] == spec.marker).nonzero().flatten().tolist() == [3]
+    assert p.outlier.tolist() == [[1024.0], [0.0], [0.0], [0.0], [0.0], [3.0]]  # RNE
+    assert (codes[0] == spec.marker).nonzero().flatten().tolist() == [5]
     assert (codes[5] == spec.marker).nonzero().flatten().tolist() == [0]
     assert not bool((codes[1:3] == spec.marker).any())
     y = quant.decode(p, spec)
-    assert float(y[0, 3]) == -1024.0 and float(y[5, 0]) == 3.0
+    assert float(y[0, 5]) == 1024.0 and float(y[5, 0]) == 3.0
     assert y[3:5].isnan().all(), y[3:5]
     assert torch.equal(y[5], x[5])                                       # the rest: constant
-    rest = [0, 1, 2, 4, 5, 6, 7]            # row 0 without its slot: the grid spans [-2, 1024.5]
+    rest = [0, 1, 2, 3, 4, 6, 7]            # row 0 without its slot: the grid spans [-1024.5, 4]
     if policy == "symmetric":
         step = 1024.5 / spec.qmax
     else:
         assert spec.levels == (1 << bits) - 2
-        step = (1024.5 + 2.0) / spec.levels
+        step = (1024.5 + 4.0) / spec.levels
     assert bool(((y[0, rest] - x[0, rest]).abs() <= 0.6 * step).all())
     buf = quant.to_bytes(p)
     assert buf.shape == (6, spec.packet_bytes(8))

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -66,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         jobs = jobs_named(a.names)
         knobs = parse_knobs(a.knobs, jobs)
         if a.verb == "run":
+            # SIGINT (`timeout -s INT`) as KeyboardInterrupt even where the shell started this
+            # process with SIGINT ignored (a background job of a non-interactive shell)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             out = a.out or Path(os.environ.get("OUT", "out"))
             status = run_jobs(a.names, budget=a.budget, out=out, knobs=knobs)
             return 0 if all(v == 0 for v in status.values()) else 1
